@@ -1,0 +1,8 @@
+"""The MLX engine: tokens, caches and probabilities; no protocols.
+
+The BLAS fix must run before anything imports mlx, so it sits here.
+"""
+
+from engine.blas import ensure_fast_blas
+
+BLAS = ensure_fast_blas()

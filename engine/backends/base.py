@@ -1,0 +1,111 @@
+"""The backend contract every model family implements.
+
+A backend wraps mlx-lm's model class for the trunk and adds the MTP head(s)
+that mlx-lm's `sanitize` throws away. The generation loop (engine/generation.py)
+only ever calls the methods below, so the whole speculative machinery is
+family-agnostic:
+
+    forward(tokens, cache, tape)   trunk forward: logits and the hidden states
+                                   the first MTP head consumes
+    head(k, hidden, tokens, cache) MTP head k on (hidden_i, token_{i+k+1}) pairs
+    rewind(cache, tape, keep)      undo a verify window except its first `keep`
+                                   positions (attention KV trim, recurrent replay)
+
+Shapes: tokens [1, L] int32, hidden [1, L, D], logits [1, L, V]. Batch is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+
+@dataclass
+class Tape:
+    """What a verify forward records so it can be partly undone.
+
+    For each recurrent (GatedDeltaNet) layer: the cache arrays before the
+    window (GDN replaces its arrays rather than mutating them, so holding the
+    list is a zero-copy snapshot) and the mixer's input over the window.
+    """
+
+    length: int = 0
+    recurrent: dict[int, tuple[list[Any], mx.array]] = field(default_factory=dict)
+
+    def record(self, layer: int, cache: ArraysCache, mixer_input: mx.array) -> None:
+        self.recurrent[layer] = (list(cache.cache), mixer_input)
+
+
+class Backend:
+    """Base class: subclasses set the attributes and implement forward/head."""
+
+    family: str
+    trunk: nn.Module  # the mlx-lm Model
+    heads: list[nn.Module]  # MTP heads, one per depth the checkpoint has
+    vocab_size: int
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.heads)
+
+    def make_cache(self) -> list[Any]:
+        return self.trunk.make_cache() if hasattr(self.trunk, "make_cache") else [
+            KVCache() for _ in self.trunk.layers
+        ]
+
+    def make_head_caches(self) -> list[KVCache]:
+        return [KVCache() for _ in self.heads]
+
+    def forward(
+        self, tokens: mx.array, cache: list[Any], tape: Tape | None = None
+    ) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def head(
+        self, k: int, hidden: mx.array, tokens: mx.array, cache: KVCache
+    ) -> tuple[mx.array, mx.array]:
+        """Run head k. Returns (logits, hidden for head k+1)."""
+        raise NotImplementedError
+
+    def replay(self, layer: int, mixer_input: mx.array, cache: ArraysCache) -> None:
+        """Re-run recurrent layer `layer`'s mixer to advance its state."""
+        raise NotImplementedError(f"{self.family} has no recurrent layers")
+
+    def rewind(self, cache: list[Any], tape: Tape, keep: int) -> None:
+        """Undo the last forward (recorded on `tape`) except its first `keep` positions."""
+        drop = tape.length - keep
+        if drop == 0:
+            return
+        for i, c in enumerate(cache):
+            if i in tape.recurrent:
+                saved, mixer_input = tape.recurrent[i]
+                c.cache = list(saved)
+                if keep > 0:
+                    self.replay(i, mixer_input[:, :keep], c)
+            else:
+                c.trim(drop)
+
+
+def build_trunk(model_class: type, args_class: type, config: dict, weights: dict) -> nn.Module:
+    """Instantiate mlx-lm's model for the trunk and load its (MTP-free) weights."""
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_head_weights(head: nn.Module, weights: dict[str, mx.array], prefix: str) -> None:
+    """Load the tensors under `prefix` into `head`, strictly (names must match)."""
+    own = {
+        k[len(prefix):]: v
+        for k, v in weights.items()
+        if k.startswith(prefix) and not k.endswith("rotary_emb.inv_freq")
+    }
+    head.load_weights(list(own.items()), strict=True)
+    mx.eval(head.parameters())

@@ -1,0 +1,297 @@
+"""The compatibility registry: which family a checkpoint is, how many MTP heads
+it carries and which backend runs it.
+
+Inspection reads config.json and safetensors headers only (never a tensor) and
+imports neither a backend nor mlx-lm: backends are named by dotted path and
+imported by whoever runs the model.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint import CheckpointError, read_config, text_config, weight_keys
+
+PLAIN_BACKEND = "engine.backends.plain"
+
+
+@dataclass(frozen=True)
+class SamplerDefaults:
+    temperature: float
+    top_p: float
+    top_k: int = 0  # 0: no top-k filter
+
+
+@dataclass(frozen=True)
+class BackendDescriptor:
+    """How to recognise one family's checkpoints and what runs them.
+
+    head_key_patterns: where a head's weights sit; `{i}` is the head index,
+    `{n+i}` an index counted after the trunk's `num_hidden_layers` layers.
+    head_parts: keys every head must have under its prefix (a part ending in
+    "." means "some key under it"). shared_parts: keys shared by all heads,
+    beside the layers (under the pattern's text before `layers.{i}.`).
+    depth_range: usable draft depths; a depth beyond the head count reuses
+    the last head recurrently. norm_shift: zero-centred (Qwen) norms whose +1
+    must be applied exactly once, the MTP norms included.
+    """
+
+    family: str
+    model_types: tuple[str, ...]
+    backend_module: str
+    head_count_fields: tuple[str, ...] = ()
+    head_key_patterns: tuple[str, ...] = ()
+    head_parts: tuple[str, ...] = ()
+    shared_parts: tuple[str, ...] = ()
+    sampler_defaults: SamplerDefaults = SamplerDefaults(0.7, 0.95)
+    depth_range: tuple[int, int] = (1, 4)
+    norm_shift: bool = False
+
+
+_BLOCK = ("input_layernorm.weight", "self_attn.", "post_attention_layernorm.weight", "mlp.")
+_NEXTN_PARTS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", *_BLOCK)
+_QWEN_PATTERNS = ("mtp.layers.{i}.", "model.language_model.mtp.layers.{i}.", "language_model.mtp.layers.{i}.")
+_QWEN_SHARED = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
+_NEXTN = "num_nextn_predict_layers"
+_QWEN_COUNT = "mtp_num_hidden_layers"
+
+
+def _nextn(family: str, sampler: SamplerDefaults) -> BackendDescriptor:
+    return BackendDescriptor(
+        family, (family,), f"engine.backends.{family}", (_NEXTN,),
+        ("model.layers.{n+i}.",), _NEXTN_PARTS, sampler_defaults=sampler,
+    )
+
+
+def _qwen(family: str, model_types: tuple[str, ...], sampler: SamplerDefaults) -> BackendDescriptor:
+    return BackendDescriptor(
+        family, model_types, f"engine.backends.{family}", (_QWEN_COUNT,), _QWEN_PATTERNS,
+        _BLOCK, _QWEN_SHARED, sampler, norm_shift=True,
+    )
+
+
+DESCRIPTORS: dict[str, BackendDescriptor] = {
+    d.family: d
+    for d in (
+        BackendDescriptor(
+            "mimo", ("mimo",), "engine.backends.mimo", (_NEXTN,), ("model.mtp_layers.{i}.",),
+            ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
+             "final_layernorm.weight", *_BLOCK),
+            sampler_defaults=SamplerDefaults(0.6, 0.95),
+        ),
+        _nextn("deepseek_v3", SamplerDefaults(0.6, 0.95)),
+        _nextn("glm4_moe", SamplerDefaults(0.6, 0.95)),
+        _qwen("qwen3_next", ("qwen3_next",), SamplerDefaults(0.7, 0.8, 20)),
+        _qwen("qwen3_5", ("qwen3_5", "qwen3_5_text"), SamplerDefaults(0.6, 0.95, 20)),
+        _qwen("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), SamplerDefaults(0.6, 0.95, 20)),
+    )
+}
+_BY_MODEL_TYPE = {t: d for d in DESCRIPTORS.values() for t in d.model_types}
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    family: str
+    mtp_heads: int
+    depth_max: int
+    status: str  # "supported" | "ar-only" | "unsupported"
+    reason: str
+    head_keys_found: tuple[str, ...] = ()
+    descriptor: BackendDescriptor | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("family", "mtp_heads", "depth_max", "status", "reason")}
+
+
+def find_descriptor(config: dict[str, Any]) -> BackendDescriptor | None:
+    """The MTP family of a config: its model_type, the nested text_config's,
+    or the type mlx-lm remaps it to."""
+    for model_type in (config.get("model_type"), text_config(config).get("model_type"),
+                       mlx_model_type(config)):
+        if model_type in _BY_MODEL_TYPE:
+            return _BY_MODEL_TYPE[model_type]
+    return None
+
+
+def inspect_checkpoint(folder: Path) -> InspectReport:
+    """Classify a checkpoint folder. Raises CheckpointError for unreadable input."""
+    folder = Path(folder)
+    config = read_config(folder)
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise CheckpointError(f"{folder / 'config.json'}: no model_type")
+    keys = weight_keys(folder)
+    descriptor = find_descriptor(config)
+    if descriptor is None:
+        return _without_family(config, keys)
+    return _with_family(descriptor, config, keys)
+
+
+# --- what the installed mlx-lm can build (read from its source: importing
+# mlx_lm.utils loads MLX and takes seconds) -------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _mlx_lm_dir() -> Path | None:
+    spec = importlib.util.find_spec("mlx_lm")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations else None
+
+
+@lru_cache(maxsize=1)
+def _mlx_lm_remapping() -> tuple[dict[str, str], dict[tuple[str, str], str]]:
+    """mlx_lm.utils.MODEL_REMAPPING and MODEL_ARCHITECTURE_REMAPPING."""
+    tables: dict[str, Any] = {"MODEL_REMAPPING": {}, "MODEL_ARCHITECTURE_REMAPPING": {}}
+    try:  # TypeError: no mlx_lm installed; ValueError: a table is no longer a literal
+        for node in ast.parse((_mlx_lm_dir() / "utils.py").read_text()).body:
+            name = getattr(node.targets[0], "id", None) if isinstance(node, ast.Assign) else None
+            if name in tables:
+                tables[name] = ast.literal_eval(node.value)
+    except (OSError, SyntaxError, TypeError, ValueError):
+        pass
+    return tables["MODEL_REMAPPING"], tables["MODEL_ARCHITECTURE_REMAPPING"]
+
+
+def mlx_model_type(config: dict[str, Any]) -> str:
+    """The mlx_lm.models module mlx-lm would use (as mlx_lm.utils._get_classes)."""
+    model_type = str(config.get("model_type"))
+    remapping, by_architecture = _mlx_lm_remapping()
+    architectures = config.get("architectures") or ()
+    for architecture in [architectures] if isinstance(architectures, str) else architectures:
+        if (model_type, architecture) in by_architecture:
+            return by_architecture[(model_type, architecture)]
+    return remapping.get(model_type, model_type)
+
+
+_HAS_MODEL = re.compile(r"^(class\s+Model\b|from\s+\S+\s+import\s+.*\bModel\b)", re.M)
+
+
+def mlx_lm_can_build(model_type: str) -> bool:
+    """Whether mlx_lm.models.<model_type> exists and defines a Model."""
+    root = _mlx_lm_dir()
+    if root is None or not re.fullmatch(r"[A-Za-z0-9_-]+", model_type):
+        return False
+    try:
+        return bool(_HAS_MODEL.search((root / "models" / f"{model_type}.py").read_text()))
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+# --- families without an MTP backend ------------------------------------------------
+
+_MTP_HINT = re.compile(r"(^|\.)(mtp|mtp_layers)\.|\.(enorm|hnorm|eh_proj)\.")
+_MTP_HINT_TEXT = "mtp.*, *.mtp.*, *.mtp_layers.*, *.enorm.*, *.hnorm.*, *.eh_proj.*"
+
+
+def _without_family(config: dict[str, Any], keys: dict[str, Path]) -> InspectReport:
+    declared = config["model_type"]
+    built = mlx_model_type(config)
+    if not mlx_lm_can_build(built):
+        why = f"model_type {declared!r} is not an MTP family and mlx-lm cannot build it"
+        return InspectReport(declared, 0, 0, "unsupported", f"{why} (no mlx_lm.models.{built})")
+    hints = sorted(k for k in keys if _MTP_HINT.search(k))[:3]
+    if hints:
+        reason = f"MTP-like weights (e.g. {hints[0]}) but no MTP backend for {declared!r}"
+    else:
+        reason = f"no MTP head weights (looked for {_MTP_HINT_TEXT})"
+    reason += f"; mlx-lm runs {declared!r} autoregressively"
+    plain = BackendDescriptor(declared, (declared,), PLAIN_BACKEND, depth_range=(0, 0))
+    return InspectReport(declared, 0, 0, "ar-only", reason, tuple(hints), plain)
+
+
+# --- MTP families -------------------------------------------------------------------
+
+_SLOT = re.compile(r"\{(n\+)?i\}")
+
+
+@dataclass
+class _Heads:
+    pattern: str  # the pattern with {n+i} made concrete, for messages
+    prefixes: dict[int, str]  # head index -> key prefix
+    parts: dict[int, set[str]]  # head index -> keys under the prefix (relative)
+    root: str  # where shared parts sit
+    shared: set[str]  # keys under root outside layers (relative)
+
+
+def _scan(pattern: str, n_layers: int, keys: dict[str, Path], with_shared: bool) -> _Heads:
+    slot = _SLOT.search(pattern)
+    before, after, offset = pattern[: slot.start()], pattern[slot.end():], slot.group(1) is not None
+    regex = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+    shown = _SLOT.sub("{%d+i}" % n_layers if offset else "{i}", pattern)
+    root = before.rsplit("layers.", 1)[0] if with_shared else ""
+    heads = _Heads(shown, {}, {}, root, set())
+    for key in keys:
+        m = regex.match(key)
+        if m:
+            i = int(m.group(1)) - (n_layers if offset else 0)
+            if i >= 0:
+                heads.prefixes[i] = m.group(0)
+                heads.parts.setdefault(i, set()).add(key[m.end():])
+        elif root and key.startswith(root):
+            heads.shared.add(key[len(root):])
+    return heads
+
+
+def _missing(required: tuple[str, ...], present: set[str]) -> list[str]:
+    def has(part: str) -> bool:
+        return any(p.startswith(part) for p in present) if part.endswith(".") else part in present
+
+    return [part for part in required if not has(part)]
+
+
+def _with_family(d: BackendDescriptor, config: dict[str, Any], keys: dict[str, Path]) -> InspectReport:
+    tc = text_config(config)
+    n_layers = tc.get("num_hidden_layers")
+    if any("{n+i}" in p for p in d.head_key_patterns) and not isinstance(n_layers, int):
+        return InspectReport(d.family, 0, 0, "unsupported",
+                             "config.json has no integer num_hidden_layers to locate the MTP layers")
+    scans = [_scan(p, n_layers or 0, keys, bool(d.shared_parts)) for p in d.head_key_patterns]
+    found = next((s for s in scans if s.parts or s.shared), None)
+    count = next(((f, tc[f]) for f in d.head_count_fields if isinstance(tc.get(f), int)), None)
+    if found is None and not mlx_lm_can_build(mlx_model_type(config)):
+        why = f"no MTP head weights and mlx-lm cannot build model_type {config['model_type']!r}"
+        return InspectReport(d.family, 0, 0, "unsupported", why)
+    if found is None:
+        return _ar_only(d, scans, count)
+    problem = _incomplete(d, found)
+    examples = tuple(found.prefixes[i] + min(found.parts[i]) for i in sorted(found.parts)[:3])
+    examples += tuple(found.root + s for s in sorted(found.shared)[:1])
+    if problem:
+        return InspectReport(d.family, len(found.parts), 0, "unsupported", problem, examples)
+    n_heads = len(found.parts)
+    depth_max = max(d.depth_range[1], n_heads)
+    reason = f"{n_heads} MTP head(s) at {found.pattern}*; drafts up to depth {depth_max}"
+    if count and count[1] != n_heads:
+        reason += f" (config says {count[0]}={count[1]}; the weights decide)"
+    return InspectReport(d.family, n_heads, depth_max, "supported", reason, examples, d)
+
+
+def _ar_only(d: BackendDescriptor, scans: list[_Heads], count: tuple[str, int] | None) -> InspectReport:
+    looked = ", ".join((s.root if d.shared_parts else s.pattern) + "*" for s in scans)
+    said = f"config says {count[0]}={count[1]} but " if count and count[1] else ""
+    reason = f"{said}no MTP head weights found (looked for {looked}); AR decoding only"
+    plain = replace(d, backend_module=PLAIN_BACKEND, depth_range=(0, 0))
+    return InspectReport(d.family, 0, 0, "ar-only", reason, (), plain)
+
+
+def _incomplete(d: BackendDescriptor, found: _Heads) -> str | None:
+    indices = sorted(found.parts)
+    if not indices:
+        return f"MTP weights under {found.root}* but no head layer at {found.pattern}*"
+    gaps = sorted(set(range(indices[-1])) - set(indices))
+    if gaps:
+        return f"MTP head {gaps[0]} is missing (found heads {indices} at {found.pattern}*)"
+    for i in indices:
+        missing = _missing(d.head_parts, found.parts[i])
+        if missing:
+            names = ", ".join(found.prefixes[i] + m for m in missing)
+            return f"MTP head {i} is incomplete: missing {names}"
+    missing = _missing(d.shared_parts, found.shared)
+    if missing:
+        return "MTP head is incomplete: missing " + ", ".join(found.root + m for m in missing)
+    return None

@@ -1,0 +1,67 @@
+"""The public engine surface: load a checkpoint, open generations.
+
+    engine = Engine.load(path)
+    gen = engine.open(GenerationRequest(prompt=ids, mode="mtp", depth=2))
+    while not gen.finished:
+        result = gen.step()
+    gen.close()
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from engine.backends.base import Backend
+from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
+from engine.checkpoint import CheckpointError, load_weights, read_config
+from engine.generation import Generation, GenerationRequest
+
+
+@dataclass
+class Engine:
+    path: Path
+    backend: Backend
+    descriptor: BackendDescriptor | None
+    tokenizer: Any  # a transformers tokenizer
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: mx.Dtype | None = None) -> Engine:
+        folder = Path(path).expanduser().resolve()
+        report = inspect_checkpoint(folder)
+        if report.status == "unsupported":
+            raise CheckpointError(f"{folder}: unsupported checkpoint: {report.reason}")
+        weights = load_weights(folder)
+        target = dtype or default_dtype()
+        if target is not None:
+            weights = {k: _cast(v, target) for k, v in weights.items()}
+        module_name = report.descriptor.backend_module if report.descriptor else "engine.backends.plain"
+        module = importlib.import_module(module_name)
+        backend = module.load(folder, read_config(folder), weights)
+        return cls(folder, backend, report.descriptor, load_tokenizer(folder))
+
+    def open(self, request: GenerationRequest) -> Generation:
+        return Generation(self.backend, request)
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on CPU, where half-precision matmuls skip BLAS; as stored on Metal."""
+    return None if mx.metal.is_available() else mx.float32
+
+
+def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    floating = array.dtype in (mx.float16, mx.bfloat16, mx.float32)
+    return array.astype(dtype) if floating and array.dtype != dtype else array
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The checkpoint's own tokenizer, never running remote code or prompting."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)

@@ -1,0 +1,225 @@
+"""One generation: prefill in chunks, then AR steps or speculative MTP cycles.
+
+`step()` does one short unit of work (a prefill chunk or one decode cycle)
+and returns the tokens it committed, so a scheduler can interleave many
+generations and abandon any of them between two steps.
+
+MTP head caches. Head k at position p reads (hidden-in_p, token_{p+k+1}) and
+predicts token_{p+k+2}; its hidden-in is the trunk's hidden for k = 0 and
+head k-1's output otherwise. A head-cache entry is *real* when its token is
+committed and its hidden-in is real; after every cycle each head cache is
+trimmed back to its real entries, so it always equals what feeding the
+committed tokens one by one would build. `_HeadState.pending` holds the real
+hidden-ins a head has not consumed yet (positions offset .. offset+n-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import mlx.core as mx
+
+from engine.backends.base import Backend, Tape
+from engine.sampling import SamplerSettings, probabilities
+from engine.speculative import sample, verify
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: tuple[int, ...]
+    sampler: SamplerSettings = SamplerSettings()
+    mode: Literal["ar", "mtp"] = "mtp"
+    depth: int = 2
+    seed: int = 0
+    max_tokens: int = 256
+    stop_token_ids: frozenset[int] = frozenset()
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("prompt must contain at least one token")
+        if self.mode not in ("ar", "mtp"):
+            raise ValueError(f"mode must be 'ar' or 'mtp', not {self.mode!r}")
+        if self.mode == "mtp" and self.depth < 1:
+            raise ValueError("depth must be at least 1")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # committed by this step (empty for a non-final prefill chunk)
+    prefill_tokens: int = 0  # prompt tokens processed by this step
+    drafted: int = 0
+    accepted: list[bool] = field(default_factory=list)  # per depth, this cycle
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+@dataclass
+class _HeadState:
+    pending: mx.array | None = None  # [1, n, D] real hidden-ins from the cache offset on
+
+
+class Generation:
+    def __init__(self, backend: Backend, request: GenerationRequest):
+        if request.mode == "mtp" and backend.n_heads == 0:
+            raise ValueError(f"{backend.family}: this checkpoint has no MTP head; use mode 'ar'")
+        self.backend = backend
+        self.request = request
+        self.cache = backend.make_cache()
+        self.tokens: list[int] = list(request.prompt)  # committed sequence
+        self.generated = 0
+        self.finish_reason: str | None = None
+        self._fed = 0  # tokens fed to the trunk
+        self._key = mx.random.key(request.seed)
+        self._logits: mx.array | None = None  # trunk logits after the last fed token
+        n_used = min(request.depth, backend.n_heads) if request.mode == "mtp" else 0
+        self.head_caches = backend.make_head_caches()[:n_used]
+        self._heads = [_HeadState() for _ in range(n_used)]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def step(self) -> StepResult:
+        if self.finished:
+            raise RuntimeError("generation already finished")
+        if self._fed < len(self.request.prompt):
+            return self._prefill_chunk()
+        if self.request.mode == "ar":
+            return self._ar_step()
+        return self._mtp_cycle()
+
+    def close(self) -> None:
+        """Drop every cache reference; safe to call at any point."""
+        self.cache = []
+        self.head_caches = []
+        self._heads = []
+        self._logits = None
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+
+    # -- prefill --------------------------------------------------------------
+
+    def _prefill_chunk(self) -> StepResult:
+        start = self._fed
+        chunk = self.request.prompt[start : start + self.request.prefill_chunk]
+        logits, hidden = self.backend.forward(mx.array([chunk]), self.cache)
+        self._fed += len(chunk)
+        self._queue_trunk_hidden(hidden)
+        if self._fed < len(self.request.prompt):
+            mx.eval([c.state for c in self.cache], self._heads[0].pending if self._heads else [])
+            return StepResult([], prefill_tokens=len(chunk))
+        first = sample(self._probs(logits[:, -1]), self._next_key())
+        result = self._commit([int(first.item())])
+        result.prefill_tokens = len(chunk)
+        return result
+
+    # -- plain autoregressive decoding -----------------------------------------
+
+    def _ar_step(self) -> StepResult:
+        logits, _ = self.backend.forward(mx.array([[self.tokens[-1]]]), self.cache)
+        self._fed += 1
+        token = sample(self._probs(logits[:, -1]), self._next_key())
+        return self._commit([int(token.item())])
+
+    # -- speculative cycle -----------------------------------------------------
+
+    def _mtp_cycle(self) -> StepResult:
+        depth = self.request.depth
+        T = len(self.tokens) - 1  # index of the last committed token, not yet fed
+        offsets = [c.offset for c in self.head_caches]
+        drafts, q, head_inputs = self._draft(T, depth)
+        tape = Tape(length=depth + 1)
+        window = mx.concatenate([mx.array([self.tokens[-1]]), drafts])[None]
+        logits, hidden = self.backend.forward(window, self.cache, tape)
+        p = self._probs(logits[0])[None]
+        n_accepted, next_token = verify(p, mx.stack(q, axis=1), drafts[None], self._next_key())
+        mx.eval(n_accepted, next_token, drafts)
+        m = int(n_accepted.item())
+        self.backend.rewind(self.cache, tape, keep=m + 1)
+        self._fed = T + m + 1
+        self._trim_heads(T, m, offsets, head_inputs)
+        self._queue_trunk_hidden(hidden[:, : m + 1])
+        result = self._commit(drafts[:m].tolist() + [int(next_token.item())])
+        result.drafted = depth
+        result.accepted = [i < m for i in range(depth)]
+        return result
+
+    def _draft(self, T: int, depth: int) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        """Draft `depth` tokens with the heads; all on device, no host sync."""
+        drafts: list[mx.array] = []
+        q: list[mx.array] = []
+        head_inputs: list[mx.array] = []
+        outputs: mx.array | None = None  # previous head's hidden outputs
+        for k, (state, cache) in enumerate(zip(self._heads, self.head_caches)):
+            hidden_in = state.pending if k == 0 else _concat(state.pending, outputs)
+            head_inputs.append(hidden_in)
+            start = cache.offset
+            # token_{p+k+1} for p in [start, T-1]: committed ones, then drafts.
+            committed = self.tokens[start + k + 1 : T + 1]
+            tokens = mx.concatenate([mx.array(committed, dtype=mx.int32), *drafts])[None]
+            logits, outputs = self.backend.head(k, hidden_in, tokens, cache)
+            self._add_draft(logits[:, -1], drafts, q)
+        last = len(self._heads) - 1
+        while len(drafts) < depth:  # reuse the last head recurrently
+            logits, outputs = self.backend.head(
+                last, outputs[:, -1:], drafts[-1][None], self.head_caches[last]
+            )
+            self._add_draft(logits[:, -1], drafts, q)
+        return mx.concatenate(drafts), q, head_inputs
+
+    def _add_draft(self, logits: mx.array, drafts: list, q: list) -> None:
+        probs = self._probs(logits)  # [1, V]
+        drafts.append(sample(probs, self._next_key()).astype(mx.int32))
+        q.append(probs)
+
+    def _trim_heads(self, T: int, m: int, offsets: list[int], head_inputs: list[mx.array]) -> None:
+        """Keep only real head-cache entries; carry unconsumed real hidden-ins."""
+        real = [min(T, T + m - k) for k in range(len(self._heads))]
+        for k, cache in enumerate(self.head_caches):
+            cache.trim(cache.offset - real[k])
+        for k in range(1, len(self._heads)):
+            # head_inputs[k] covers positions offsets[k] .. T-1; keep
+            # real[k] .. real[k-1]-1 (real outputs of head k-1 not yet consumed).
+            lo, hi = real[k] - offsets[k], real[k - 1] - offsets[k]
+            self._heads[k].pending = head_inputs[k][:, lo:hi]
+        if self._heads:
+            self._heads[0].pending = None  # head 0 consumed every trunk hidden up to T-1
+
+    # -- shared helpers --------------------------------------------------------
+
+    def _queue_trunk_hidden(self, hidden: mx.array) -> None:
+        if self._heads:
+            self._heads[0].pending = _concat(self._heads[0].pending, hidden)
+
+    def _probs(self, logits: mx.array) -> mx.array:
+        return probabilities(logits.astype(mx.float32), self.request.sampler)
+
+    def _next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def _commit(self, new_tokens: list[int]) -> StepResult:
+        """Append tokens, applying stop ids and the token budget."""
+        budget = self.request.max_tokens - self.generated
+        kept: list[int] = []
+        for token in new_tokens[:budget]:
+            if token in self.request.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            kept.append(token)
+        self.tokens.extend(kept)
+        self.generated += len(kept)
+        if self.finish_reason is None and self.generated >= self.request.max_tokens:
+            self.finish_reason = "length"
+        return StepResult(kept, finish_reason=self.finish_reason)
+
+
+def _concat(a: mx.array | None, b: mx.array | None) -> mx.array:
+    if a is None or a.shape[1] == 0:
+        return b
+    if b is None:
+        return a
+    return mx.concatenate([a, b], axis=1)

@@ -1,0 +1,84 @@
+"""Helpers to write tiny checkpoints in real Hugging Face layout.
+
+A checkpoint folder holds config.json, one or more safetensors files with
+the real key names, and a small character-level tokenizer (tokenizer.json +
+tokenizer_config.json) that transformers' AutoTokenizer loads.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|fim_prefix|>",
+    "<|fim_suffix|>",
+    "<|fim_middle|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]
+CHARS = list(string.ascii_lowercase + string.digits + " \n_():=.,+-*[]'\"#")
+
+
+def tokenizer_vocab_size(n_chars: int = len(CHARS)) -> int:
+    return len(SPECIAL_TOKENS) + 1 + n_chars  # + <unk>
+
+
+def write_tokenizer(folder: Path, n_chars: int = len(CHARS)) -> None:
+    """A character-level tokenizer with FIM and chat special tokens.
+
+    `n_chars` keeps only the first characters: a smaller vocabulary makes
+    exact enumeration of output distributions cheap in tests.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ["<unk>"] + CHARS[:n_chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+    )
+    fast.save_pretrained(str(folder))
+
+
+def write_config(folder: Path, config: dict) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    save_file(
+        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+        str(path),
+        metadata={"format": "pt"},
+    )
+
+
+class RandomWeights:
+    """Seeded random float32 tensors, scaled so tiny models stay well conditioned."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def matrix(self, rows: int, cols: int) -> np.ndarray:
+        return self.rng.normal(0.0, cols**-0.5, size=(rows, cols))
+
+    def vector(self, n: int, scale: float = 0.02) -> np.ndarray:
+        return self.rng.normal(0.0, scale, size=(n,))
+
+    def norm(self, n: int, zero_centred: bool = False) -> np.ndarray:
+        base = 0.0 if zero_centred else 1.0
+        return base + self.rng.normal(0.0, 0.1, size=(n,))
+
+    def like(self, shape: tuple[int, ...], scale: float = 0.1) -> np.ndarray:
+        return self.rng.normal(0.0, scale, size=shape)

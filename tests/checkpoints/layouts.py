@@ -1,0 +1,198 @@
+"""Header-level checkpoints in real Hugging Face layout, for inspection tests.
+
+config.json carries each family's real field names and the safetensors files
+its real key names; every tensor is a float32 of shape (1,), since inspection
+reads headers only. Not loadable by a backend: see the family writers for that.
+
+    write_layout(family, folder, mtp_heads=1, config_heads=SAME, sidecar=False,
+                 shards=1, drop=(), mtp_root="mtp.") -> folder
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+SAME = "same"  # config_heads: write the MTP count field with mtp_heads
+N_LAYERS = {"mimo": 2, "deepseek_v3": 2, "glm4_moe": 2, "qwen3_next": 4, "qwen3_5": 4,
+            "qwen3_5_moe": 4, "qwen2": 2, "llama": 2, "mistral": 2, "frobnicator": 2}
+LAYOUTS = tuple(N_LAYERS)
+MTP_FAMILIES = LAYOUTS[:6]
+_BASE = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "vocab_size": 48, "rms_norm_eps": 1e-6,
+         "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def _proj(p: str, names: str, suffix: str = "_proj.weight") -> list[str]:
+    return [f"{p}{n}{suffix}" for n in names.split()]
+
+
+def _mha(p: str, bias: bool = False, qk_norm: bool = False) -> list[str]:
+    keys = _proj(p + "self_attn.", "q k v o")
+    keys += _proj(p + "self_attn.", "q k v", "_proj.bias") if bias else []
+    return keys + (_proj(p + "self_attn.", "q k", "_norm.weight") if qk_norm else [])
+
+
+def _mla(p: str) -> list[str]:
+    return [f"{p}self_attn.{n}.weight" for n in (
+        "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+        "kv_b_proj", "o_proj")]
+
+
+def _mlp(p: str) -> list[str]:
+    return _proj(p + "mlp.", "gate up down")
+
+
+def _nextn_moe(p: str) -> list[str]:
+    experts = [k for e in range(2) for k in _proj(f"{p}mlp.experts.{e}.", "gate up down")]
+    shared = _proj(p + "mlp.shared_experts.", "gate up down")
+    return [p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias"] + experts + shared
+
+
+def _qwen_moe(p: str, fused: bool) -> list[str]:
+    if fused:
+        experts = [p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"]
+    else:
+        experts = [k for e in range(2) for k in _proj(f"{p}mlp.experts.{e}.", "gate up down")]
+    shared = _proj(p + "mlp.shared_expert.", "gate up down")
+    return [p + "mlp.gate.weight", p + "mlp.shared_expert_gate.weight"] + experts + shared
+
+
+def _gdn(p: str, qwen3_5: bool) -> list[str]:
+    proj = "in_proj_qkv in_proj_z in_proj_b in_proj_a" if qwen3_5 else "in_proj_qkvz in_proj_ba"
+    names = proj.split() + ["conv1d", "norm", "out_proj"]
+    return [f"{p}linear_attn.{n}.weight" for n in names] + [
+        p + "linear_attn.A_log", p + "linear_attn.dt_bias"]
+
+
+def _block(p: str, attn: list[str], mlp: list[str]) -> list[str]:
+    return [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"] + attn + mlp
+
+
+def _trunk(prefix: str, n: int, layer) -> list[str]:
+    keys = [prefix + "embed_tokens.weight", prefix + "norm.weight", "lm_head.weight"]
+    return keys + [k for i in range(n) for k in layer(f"{prefix}layers.{i}.", i)]
+
+
+# --- families: each returns (config, trunk keys, MTP keys) ----------------------------
+
+def _mimo(n: int, heads: int, root: str):
+    config = {"architectures": ["MiMoForCausalLM"], "model_type": "mimo",
+              "auto_map": {"AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"}}
+    trunk = _trunk("model.", n, lambda p, i: _block(p, _mha(p, bias=True), _mlp(p)))
+    mtp = [k for i in range(heads) for k in _block(
+        f"model.mtp_layers.{i}.", _mha(f"model.mtp_layers.{i}.", bias=True),
+        _mlp(f"model.mtp_layers.{i}.")) + [f"model.mtp_layers.{i}.{x}.weight" for x in (
+            "token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")]]
+    return config, trunk, mtp, "num_nextn_predict_layers"
+
+
+def _nextn(family: str, n: int, heads: int, root: str):
+    deepseek = family == "deepseek_v3"
+    arch = "DeepseekV3ForCausalLM" if deepseek else "Glm4MoeForCausalLM"
+    config = {"architectures": [arch], "model_type": family, "n_routed_experts": 2,
+              "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 8,
+              "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}
+    if deepseek:
+        config.update(q_lora_rank=4, kv_lora_rank=4, qk_rope_head_dim=2, qk_nope_head_dim=2,
+                      v_head_dim=4)
+    else:
+        config.update(use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, head_dim=4)
+
+    def layer(p: str, i: int) -> list[str]:
+        attn = _mla(p) if deepseek else _mha(p, bias=True, qk_norm=True)
+        return _block(p, attn, _mlp(p) if i == 0 else _nextn_moe(p))
+
+    trunk = _trunk("model.", n, layer)
+    mtp = [k for i in range(n, n + heads) for k in layer(f"model.layers.{i}.", i) + [
+        f"model.layers.{i}.{x}.weight" for x in (
+            "enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head.norm", "shared_head.head")]]
+    return config, trunk, mtp, "num_nextn_predict_layers"
+
+
+def _qwen(family: str, n: int, heads: int, root: str):
+    qwen3_5 = family != "qwen3_next"
+    moe = family != "qwen3_5"
+
+    def layer(p: str, i: int) -> list[str]:
+        attn = _mha(p, qk_norm=True) if (i + 1) % 4 == 0 else _gdn(p, qwen3_5)
+        return _block(p, attn, _qwen_moe(p, fused=qwen3_5) if moe else _mlp(p))
+
+    prefix = "model.language_model." if qwen3_5 else "model."
+    trunk = _trunk(prefix, n, layer)
+    mtp = [root + x + ".weight" for x in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")]
+    mtp += [k for i in range(heads) for k in layer(f"{root}layers.{i}.", 3)]
+    mtp = mtp if heads else []
+    text = {"model_type": family, "full_attention_interval": 4, "linear_num_value_heads": 2,
+            "linear_num_key_heads": 1, "linear_key_head_dim": 4, "linear_value_head_dim": 4,
+            "linear_conv_kernel_dim": 4, "head_dim": 4, "partial_rotary_factor": 0.25}
+    if moe:
+        text.update(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                    shared_expert_intermediate_size=8, decoder_sparse_step=1)
+    if not qwen3_5:
+        return {"architectures": ["Qwen3NextForCausalLM"], **text}, trunk, mtp, "mtp_num_hidden_layers"
+    text["model_type"] = family + "_text"
+    text["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    trunk += [f"model.visual.{k}.weight" for k in ("patch_embed.proj", "blocks.0.attn.qkv", "merger.linear_fc1")]
+    arch = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+    config = {"architectures": [arch], "model_type": family, "text_config": text,
+              "vision_config": {"model_type": family, "depth": 1, "hidden_size": 8}}
+    return config, trunk, mtp, "mtp_num_hidden_layers"
+
+
+def _plain(family: str, n: int, heads: int, root: str):
+    arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(family, "LlamaForCausalLM")
+    config = {"architectures": [arch], "model_type": family}
+    trunk = _trunk("model.", n, lambda p, i: _block(p, _mha(p, bias=family == "qwen2"), _mlp(p)))
+    return config, trunk, [], None
+
+
+def _family(family: str, n: int, heads: int, root: str):
+    if family == "mimo":
+        return _mimo(n, heads, root)
+    if family in ("deepseek_v3", "glm4_moe"):
+        return _nextn(family, n, heads, root)
+    if family.startswith("qwen3_") and family in MTP_FAMILIES:
+        return _qwen(family, n, heads, root)
+    return _plain(family, n, heads, root)
+
+
+# --- writing ----------------------------------------------------------------------------
+
+def _save(path: Path, keys: list[str]) -> None:
+    save_file({k: np.zeros(1, dtype=np.float32) for k in keys}, str(path), metadata={"format": "pt"})
+
+
+def write_layout(family: str, folder: Path, *, mtp_heads: int = 1, config_heads=SAME,
+                 sidecar: bool = False, shards: int = 1, drop: tuple[str, ...] = (),
+                 mtp_root: str = "mtp.") -> Path:
+    """Write a header-level checkpoint of `family` into `folder` (created)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = N_LAYERS[family]
+    config, trunk, mtp, count_field = _family(family, n, mtp_heads, mtp_root)
+    text = config.get("text_config", config)
+    text.update({**_BASE, "num_hidden_layers": n})
+    count = mtp_heads if config_heads == SAME else config_heads
+    if count_field and count is not None:
+        text[count_field] = count
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    keep = lambda keys: [k for k in keys if not any(d in k for d in drop)]  # noqa: E731
+    trunk, mtp = keep(trunk), keep(mtp)
+    if sidecar and mtp:
+        _save(folder / "mtp.safetensors", mtp)
+        mtp = []
+    if shards == 1:
+        _save(folder / "model.safetensors", trunk + mtp)
+        return folder
+    names = [f"model-{s + 1:05d}-of-{shards:05d}.safetensors" for s in range(shards)]
+    parts = [trunk[s::shards] for s in range(shards)]
+    parts[-1] += mtp
+    for name, keys in zip(names, parts):
+        _save(folder / name, keys)
+    weight_map = {k: name for name, keys in zip(names, parts) for k in keys}
+    index = {"metadata": {"total_size": 4 * len(weight_map)}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return folder

@@ -1,0 +1,267 @@
+"""`mtplxd inspect`: the compatibility registry through its Python API and the real CLI."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.backends.descriptors import DESCRIPTORS, PLAIN_BACKEND, inspect_checkpoint
+from engine.checkpoint import CheckpointError
+from tests.checkpoints import FAMILIES, write
+from tests.checkpoints.layouts import MTP_FAMILIES, write_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).parent / "mtplxd"
+
+
+def cli(*args: str, module: bool = True) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mtplxd"] if module else [str(SCRIPT)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+
+
+# --- every MTP family, header-level layouts -------------------------------------------
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_family_recognised(tmp_path, family, heads):
+    report = inspect_checkpoint(write_layout(family, tmp_path, mtp_heads=heads))
+    assert (report.family, report.status, report.mtp_heads) == (family, "supported", heads)
+    assert report.depth_max >= max(heads, 2)
+    assert report.descriptor.backend_module == f"engine.backends.{family}"
+    assert len(report.head_keys_found) >= heads
+
+
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_head_in_sidecar_and_sharded_checkpoint(tmp_path, family):
+    sidecar = inspect_checkpoint(write_layout(family, tmp_path / "a", sidecar=True))
+    sharded = inspect_checkpoint(write_layout(family, tmp_path / "b", mtp_heads=2, shards=3))
+    both = inspect_checkpoint(write_layout(family, tmp_path / "c", shards=2, sidecar=True))
+    assert (tmp_path / "a" / "mtp.safetensors").is_file()
+    assert (tmp_path / "b" / "model.safetensors.index.json").is_file()
+    assert [r.mtp_heads for r in (sidecar, sharded, both)] == [1, 2, 1]
+    assert {r.status for r in (sidecar, sharded, both)} == {"supported"}
+
+
+@pytest.mark.parametrize("root", ["mtp.", "model.language_model.mtp.", "language_model.mtp."])
+def test_qwen3_5_head_roots(tmp_path, root):
+    report = inspect_checkpoint(write_layout("qwen3_5", tmp_path, mtp_root=root))
+    assert (report.status, report.mtp_heads) == ("supported", 1)
+    assert any(k.startswith(root) for k in report.head_keys_found)
+
+
+def test_qwen3_next_without_count_field(tmp_path):
+    # The released Qwen3-Next config.json names no MTP count: the weights decide.
+    report = inspect_checkpoint(write_layout("qwen3_next", tmp_path, config_heads=None))
+    assert (report.status, report.mtp_heads) == ("supported", 1)
+
+
+def test_weights_decide_over_config_count(tmp_path):
+    report = inspect_checkpoint(write_layout("mimo", tmp_path, mtp_heads=2, config_heads=1))
+    assert (report.status, report.mtp_heads) == ("supported", 2)
+    assert "num_nextn_predict_layers=1" in report.reason
+
+
+def test_descriptors():
+    assert set(DESCRIPTORS) == set(FAMILIES)
+    for d in DESCRIPTORS.values():
+        assert d.family in d.model_types and d.head_count_fields and d.head_key_patterns
+        assert all("{i}" in p or "{n+i}" in p for p in d.head_key_patterns)
+        assert 1 <= d.depth_range[0] <= d.depth_range[1]
+        assert d.norm_shift == d.family.startswith("qwen")
+        assert 0 < d.sampler_defaults.temperature and 0 < d.sampler_defaults.top_p <= 1
+    assert DESCRIPTORS["qwen3_5"].model_types == ("qwen3_5", "qwen3_5_text")
+    assert DESCRIPTORS["qwen3_5_moe"].model_types == ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def test_inspect_imports_no_mlx_and_no_backend(tmp_path):
+    folder = write_layout("deepseek_v3", tmp_path)
+    code = (
+        "import sys; from engine.backends.descriptors import inspect_checkpoint as i; "
+        f"i({str(folder)!r}); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm') "
+        "or m.startswith('engine.backends.') and m != 'engine.backends.descriptors'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+# --- the real family writers (tests/checkpoints/<family>.py), once they exist ----------
+
+def real_writer(family: str):
+    try:
+        return importlib.import_module(f"tests.checkpoints.{FAMILIES[family]}")
+    except ModuleNotFoundError as e:
+        if e.name != f"tests.checkpoints.{FAMILIES[family]}":
+            raise
+        pytest.skip(f"tests/checkpoints/{FAMILIES[family]}.py not written yet")
+
+
+@pytest.mark.parametrize("sidecar", [False, True])
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_real_checkpoint_writers(tmp_path, family, heads, sidecar):
+    real_writer(family)
+    try:
+        folder = write(family, tmp_path / family, mtp_heads=heads, sidecar=sidecar)
+    except (ValueError, NotImplementedError) as e:
+        pytest.skip(f"{family} writer does not offer {heads} head(s): {e}")
+    report = inspect_checkpoint(folder or tmp_path / family)
+    assert (report.family, report.status, report.mtp_heads) == (family, "supported", heads), report.reason
+
+
+# --- no head, partial head, unknown model -----------------------------------------------
+
+@pytest.mark.parametrize("family, looked_for", [
+    ("mimo", "model.mtp_layers.{i}."),
+    ("deepseek_v3", "model.layers.{2+i}."),
+    ("glm4_moe", "model.layers.{2+i}."),
+    ("qwen3_next", "mtp."),
+    ("qwen3_5", "model.language_model.mtp."),
+    ("qwen3_5_moe", "language_model.mtp."),
+])
+def test_config_names_heads_weights_lack_them(tmp_path, family, looked_for):
+    report = inspect_checkpoint(write_layout(family, tmp_path, mtp_heads=0, config_heads=1))
+    assert (report.family, report.status, report.mtp_heads, report.depth_max) == (family, "ar-only", 0, 0)
+    assert looked_for in report.reason and "=1" in report.reason
+    assert report.descriptor.backend_module == PLAIN_BACKEND
+
+
+@pytest.mark.parametrize("family, drop, missing", [
+    ("mimo", ("input_proj",), "model.mtp_layers.0.input_proj.weight"),
+    ("deepseek_v3", ("layers.2.eh_proj", "layers.2.hnorm"), "model.layers.2.eh_proj.weight"),
+    ("glm4_moe", ("layers.2.mlp.",), "model.layers.2.mlp."),
+    ("qwen3_next", ("mtp.fc.",), "mtp.fc.weight"),
+    ("qwen3_5", ("mtp.layers.",), "mtp.layers.{i}."),
+    ("qwen3_5_moe", ("mtp.layers.1.self_attn",), "mtp.layers.1.self_attn."),
+    ("mimo", ("mtp_layers.0.",), "MTP head 0 is missing"),
+])
+def test_partial_head_is_unsupported(tmp_path, family, drop, missing):
+    folder = write_layout(family, tmp_path, mtp_heads=2, drop=drop)
+    report = inspect_checkpoint(folder)
+    assert (report.family, report.status, report.depth_max) == (family, "unsupported", 0)
+    assert missing in report.reason and report.descriptor is None
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "mistral"])
+def test_ar_only_model(tmp_path, model_type):
+    report = inspect_checkpoint(write_layout(model_type, tmp_path))
+    assert (report.family, report.status, report.mtp_heads) == (model_type, "ar-only", 0)
+    assert report.descriptor.backend_module == PLAIN_BACKEND
+    assert model_type in report.reason and "looked for" in report.reason
+    assert "mtp_layers" in report.reason and "eh_proj" in report.reason
+
+
+def test_ar_only_model_with_foreign_mtp_weights(tmp_path):
+    # A model_type mlx-lm builds, with no MTP backend here: its head is ignored.
+    folder = write_layout("mimo", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    report = inspect_checkpoint(folder)
+    assert (report.family, report.status, report.mtp_heads) == ("qwen2", "ar-only", 0)
+    assert "model.mtp_layers.0." in report.reason
+
+
+def test_unknown_model_type(tmp_path):
+    report = inspect_checkpoint(write_layout("frobnicator", tmp_path))
+    assert (report.family, report.status, report.descriptor) == ("frobnicator", "unsupported", None)
+    assert "mlx-lm cannot build" in report.reason
+
+
+# --- the CLI ----------------------------------------------------------------------------
+
+def test_cli_json_keys(tmp_path):
+    result = cli("inspect", str(write_layout("qwen3_5_moe", tmp_path, mtp_heads=2)), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert list(data) == ["family", "mtp_heads", "depth_max", "status", "reason"]
+    assert (data["family"], data["mtp_heads"], data["depth_max"], data["status"]) == (
+        "qwen3_5_moe", 2, 4, "supported")
+    assert "mtp.layers.{i}." in data["reason"]
+
+
+@pytest.mark.parametrize("layout, options, status, code", [
+    ("mimo", {}, "supported", 0),
+    ("qwen2", {}, "ar-only", 3),
+    ("glm4_moe", {"mtp_heads": 0, "config_heads": 1}, "ar-only", 3),
+    ("frobnicator", {}, "unsupported", 4),
+    ("deepseek_v3", {"drop": ("eh_proj",)}, "unsupported", 4),
+])
+def test_cli_exit_codes(tmp_path, layout, options, status, code):
+    folder = str(write_layout(layout, tmp_path, **options))
+    as_json, human = cli("inspect", "--json", folder), cli("inspect", folder, module=False)
+    assert (as_json.returncode, human.returncode) == (code, code), human.stderr
+    assert json.loads(as_json.stdout)["status"] == status
+    assert f"status:    {status}" in human.stdout and as_json.stderr == human.stderr == ""
+
+
+def test_cli_human_report(tmp_path):
+    result = cli("inspect", str(write_layout("qwen3_next", tmp_path, mtp_heads=2)))
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines())
+    assert {k: v.strip() for k, v in lines.items() if k != "reason"} == {
+        "family": "qwen3_next", "MTP heads": "2", "depth": "1-4", "status": "supported",
+        "backend": "engine.backends.qwen3_next",
+    }
+
+
+def test_cli_help_and_no_command():
+    assert cli("--help").returncode == 0 and "inspect" in cli("--help").stdout
+    assert cli().returncode == 2
+
+
+# --- unreadable checkpoints: exit 2, one line on stderr -----------------------------------
+
+def _truncate(folder: Path, keep: int) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def _break(case: str, folder: Path) -> Path:
+    if case == "missing path":
+        return folder / "nowhere"
+    write_layout("mimo", folder, shards=2 if case == "index names missing shard" else 1)
+    if case == "no config.json":
+        (folder / "config.json").unlink()
+    elif case == "malformed config.json":
+        (folder / "config.json").write_text('{"model_type": "mimo",')
+    elif case == "config without model_type":
+        (folder / "config.json").write_text('{"hidden_size": 8}')
+    elif case == "truncated header":
+        _truncate(folder, 40)
+    elif case == "truncated data":
+        _truncate(folder, (folder / "model.safetensors").stat().st_size - 2)
+    elif case == "corrupt header":
+        (folder / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"[1,2]")
+    elif case == "no weights":
+        (folder / "model.safetensors").unlink()
+    elif case == "index names missing shard":
+        (folder / "model-00002-of-00002.safetensors").unlink()
+    return folder
+
+
+BROKEN = {
+    "missing path": "nowhere", "no config.json": "no config.json",
+    "malformed config.json": "malformed JSON", "config without model_type": "no model_type",
+    "truncated header": "truncated", "truncated data": "truncated",
+    "corrupt header": "corrupt", "no weights": "no safetensors",
+    "index names missing shard": "missing shard",
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_unreadable_checkpoint(tmp_path, case):
+    folder = _break(case, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=BROKEN[case]):
+        inspect_checkpoint(folder)
+    for as_json in ([], ["--json"]):
+        result = cli("inspect", str(folder), *as_json)
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.startswith("mtplxd inspect: ") and BROKEN[case] in result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
