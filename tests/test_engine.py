@@ -47,8 +47,6 @@ def test_greedy_mtp_equals_ar(tmp_path, family, depth):
 @pytest.mark.parametrize("family", available_families())
 @pytest.mark.parametrize("heads,depth", [(1, 3), (2, 2), (2, 4)])
 def test_caches_match_one_by_one_after_partial_acceptance(tmp_path, family, heads, depth):
-    if heads > 1 and family != "mimo":
-        pytest.skip("several distinct heads: exercised on the MiMo layout")
     engine_ = load_family(tmp_path, family, mtp_heads=heads)
     backend = engine_.backend
     sampler = SamplerSettings(temperature=1.0)
@@ -110,3 +108,14 @@ def test_stop_tokens_and_budget(tmp_path):
     assert stopped == free[:first] and gen.finish_reason == "stop"
     short, gen, _ = run(engine_, PROMPT, sampler=greedy(), max_tokens=4, depth=3)
     assert short == free[:4] and gen.finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", available_families())
+def test_head_in_sidecar_file_loads_the_same(tmp_path, family):
+    inline = load_family(tmp_path / "inline", family, mtp_heads=1)
+    sidecar = load_family(tmp_path / "sidecar", family, mtp_heads=1, sidecar=True)
+    assert (sidecar.path / "mtp.safetensors").is_file()
+    assert inline.backend.n_heads == sidecar.backend.n_heads == 1
+    a, _, _ = run(inline, PROMPT, sampler=SamplerSettings(temperature=0.8), depth=2, max_tokens=16, seed=5)
+    b, _, _ = run(sidecar, PROMPT, sampler=SamplerSettings(temperature=0.8), depth=2, max_tokens=16, seed=5)
+    assert a == b
