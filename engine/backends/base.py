@@ -48,6 +48,11 @@ class Backend:
     heads: list[nn.Module]  # MTP heads, one per depth the checkpoint has
     vocab_size: int
 
+    def __init__(self, trunk: nn.Module, heads: list[nn.Module]):
+        self.trunk = trunk
+        self.heads = heads
+        self.vocab_size = trunk.args.vocab_size
+
     @property
     def n_heads(self) -> int:
         return len(self.heads)

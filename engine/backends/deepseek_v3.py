@@ -58,11 +58,6 @@ class MTPLayer(deepseek_v3.DeepseekV3DecoderLayer):
 class DeepseekV3Backend(Backend):
     family = "deepseek_v3"
 
-    def __init__(self, trunk: deepseek_v3.Model, heads: list[MTPLayer]):
-        self.trunk = trunk
-        self.heads = heads
-        self.vocab_size = trunk.args.vocab_size
-
     def forward(self, tokens, cache, tape: Tape | None = None):
         model = self.trunk.model
         h = model.embed_tokens(tokens)

@@ -50,11 +50,6 @@ class MTPLayer(glm4_moe.DecoderLayer):
 class Glm4MoeBackend(Backend):
     family = "glm4_moe"
 
-    def __init__(self, trunk: glm4_moe.Model, heads: list[MTPLayer]):
-        self.trunk = trunk
-        self.heads = heads
-        self.vocab_size = trunk.args.vocab_size
-
     def forward(self, tokens, cache, tape: Tape | None = None):
         model = self.trunk.model
         h = model.embed_tokens(tokens)

@@ -48,11 +48,6 @@ class MTPLayer(mimo.TransformerBlock):
 class MiMoBackend(Backend):
     family = "mimo"
 
-    def __init__(self, trunk: mimo.Model, heads: list[MTPLayer]):
-        self.trunk = trunk
-        self.heads = heads
-        self.vocab_size = trunk.args.vocab_size
-
     def _lm_head(self, h: mx.array) -> mx.array:
         if self.trunk.args.tie_word_embeddings:
             return self.trunk.model.embed_tokens.as_linear(h)

@@ -75,11 +75,6 @@ class MTPLayer(qwen3_next.Qwen3NextDecoderLayer):
 class Qwen3NextBackend(Backend):
     family = "qwen3_next"
 
-    def __init__(self, trunk: qwen3_next.Model, heads: list[MTPLayer]):
-        self.trunk = trunk
-        self.heads = heads
-        self.vocab_size = trunk.args.vocab_size
-
     def _lm_head(self, h: mx.array) -> mx.array:
         if self.trunk.args.tie_word_embeddings:
             return self.trunk.model.embed_tokens.as_linear(h)
