@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from engine.backends.base import Backend
 from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
-from engine.checkpoint import CheckpointError, load_weights, read_config
+from engine.checkpoint import CheckpointError, load_weights, read_config, text_config
 from engine.generation import Generation, GenerationRequest
 
 
@@ -27,7 +27,8 @@ class Engine:
     path: Path
     backend: Backend
     descriptor: BackendDescriptor | None
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Any  # an mlx-lm TokenizerWrapper
+    context_length: int
 
     @classmethod
     def load(cls, path: str | Path, dtype: mx.Dtype | None = None) -> Engine:
@@ -41,11 +42,22 @@ class Engine:
             weights = {k: _cast(v, target) for k, v in weights.items()}
         module_name = report.descriptor.backend_module if report.descriptor else "engine.backends.plain"
         module = importlib.import_module(module_name)
-        backend = module.load(folder, read_config(folder), weights)
-        return cls(folder, backend, report.descriptor, load_tokenizer(folder))
+        config = read_config(folder)
+        backend = module.load(folder, config, weights)
+        context = int(text_config(config).get("max_position_embeddings") or 4096)
+        return cls(folder, backend, report.descriptor, load_tokenizer(folder), context)
 
     def open(self, request: GenerationRequest) -> Generation:
         return Generation(self.backend, request)
+
+    def embed(self, token_ids: tuple[int, ...]) -> list[float]:
+        """Mean-pooled, L2-normalised final hidden states of the trunk."""
+        tokens = mx.array([token_ids])
+        _, hidden = self.backend.forward(tokens, self.backend.make_cache())
+        if hidden is None:  # AR-only backends return logits alone
+            hidden = self.backend.trunk.model(tokens)
+        pooled = hidden[0].astype(mx.float32).mean(axis=0)
+        return (pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)).tolist()
 
 
 def default_dtype() -> mx.Dtype | None:
@@ -59,9 +71,10 @@ def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def load_tokenizer(folder: Path) -> Any:
-    """The checkpoint's own tokenizer, never running remote code or prompting."""
-    from transformers import AutoTokenizer
+    """The checkpoint's own tokenizer (an mlx-lm TokenizerWrapper: streaming
+    detokenizer, EOS ids, chat template), never running remote code or prompting."""
+    from mlx_lm.tokenizer_utils import load
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    return load(folder, {"trust_remote_code": False})

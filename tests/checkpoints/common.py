@@ -22,6 +22,11 @@ SPECIAL_TOKENS = [
     "<|im_start|>",
     "<|im_end|>",
 ]
+# ChatML, as Qwen-family tokenizers carry it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CHARS = list(string.ascii_lowercase + string.digits + " \n_():=.,+-*[]'\"#")
 
 
@@ -49,6 +54,7 @@ def write_tokenizer(folder: Path, n_chars: int = len(CHARS)) -> None:
         unk_token="<unk>",
         pad_token="<|endoftext|>",
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(folder))
 
 

@@ -1,0 +1,219 @@
+"""What the scheduler runs: requests in, events out. No threads, no asyncio.
+
+A `TextJob` turns engine steps into `TextDelta` events (incrementally
+detokenized, never splitting a UTF-8 character, never emitting part of a
+stop string) and ends with one `Done`. An `EmbedJob` pools hidden states.
+Both run one short step at a time on the engine worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Literal
+
+from engine.engine import Engine
+from engine.generation import Generation, GenerationRequest
+from engine.sampling import SamplerSettings
+
+
+class Priority(IntEnum):
+    INTERACTIVE = 0  # editor completions
+    NORMAL = 1  # chat, agents
+    BACKGROUND = 2  # warm-ups
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampler: SamplerSettings = SamplerSettings()
+    mode: Literal["ar", "mtp"] = "mtp"
+    depth: int | None = None  # None: the engine's default for this model
+    seed: int | None = None  # None: a fresh random seed
+    stop: tuple[str, ...] = ()
+    priority: Priority = Priority.NORMAL
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    inputs: tuple[tuple[int, ...], ...]
+    priority: Priority = Priority.NORMAL
+
+
+# -- events ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_ids: tuple[int, ...]
+    drafted: int = 0
+    accepted: tuple[bool, ...] = ()
+
+
+@dataclass
+class MTPStats:
+    depth: int = 0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)
+
+    def add(self, accepted: list[bool]) -> None:
+        if not accepted:
+            return
+        if len(self.accepted_by_depth) < len(accepted):
+            self.accepted_by_depth += [0] * (len(accepted) - len(self.accepted_by_depth))
+        self.cycles += 1
+        self.drafted += len(accepted)
+        self.accepted += sum(accepted)
+        for i, ok in enumerate(accepted):
+            self.accepted_by_depth[i] += ok
+
+    def acceptance_by_depth(self) -> list[float]:
+        return [n / self.cycles for n in self.accepted_by_depth] if self.cycles else []
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+    mtp: MTPStats
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    kind: Literal["shutdown", "internal", "invalid"] = "internal"
+
+
+Event = TextDelta | Done | Embeddings | Failed
+
+
+# -- jobs ------------------------------------------------------------------------
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text without ever emitting part of one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = max((_overlap(self.pending, s) for s in self.stops), default=0)
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+class TextJob:
+    def __init__(self, request: TextRequest, engine: Engine, default_depth: int, seed: int):
+        self.request = request
+        depth = request.depth or default_depth
+        mode = request.mode if engine.backend.n_heads else "ar"
+        self.generation: Generation = engine.open(
+            GenerationRequest(
+                prompt=request.prompt_ids,
+                sampler=request.sampler,
+                mode=mode,
+                depth=depth,
+                seed=seed,
+                max_tokens=request.max_tokens,
+                stop_token_ids=frozenset(engine.tokenizer.eos_token_ids),
+            )
+        )
+        self.detokenizer = engine.tokenizer.detokenizer
+        self.stops = StopMatcher(request.stop)
+        self.mtp = MTPStats(depth=depth if mode == "mtp" else 0)
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished = False
+
+    def step(self) -> list[Event]:
+        result = self.generation.step()
+        self.mtp.add(result.accepted)
+        if result.tokens and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        for token in result.tokens:
+            self.detokenizer.add_token(token)
+        finish = result.finish_reason
+        if finish:
+            self.detokenizer.finalize()
+        text, hit_stop = self.stops.feed(self.detokenizer.last_segment)
+        if finish and not hit_stop:
+            text += self.stops.flush()
+        events: list[Event] = []
+        if text or result.tokens:
+            events.append(TextDelta(text, tuple(result.tokens), result.drafted, tuple(result.accepted)))
+        if hit_stop or finish:
+            events.append(self._done("stop" if hit_stop else finish))
+        return events
+
+    def _done(self, reason: str) -> Done:
+        self.finished = True
+        now = time.perf_counter()
+        first = self.first_token_at or now
+        generated = self.generation.generated
+        decode_s = now - first
+        return Done(
+            finish_reason=reason,
+            usage=Usage(len(self.request.prompt_ids), generated),
+            mtp=self.mtp,
+            time_to_first_token_s=first - self.started,
+            decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+        )
+
+    def close(self) -> None:
+        self.generation.close()
+
+
+class EmbedJob:
+    def __init__(self, request: EmbedRequest, engine: Engine):
+        self.request = request
+        self.engine = engine
+        self.finished = False
+
+    def step(self) -> list[Event]:
+        vectors = [self.engine.embed(ids) for ids in self.request.inputs]
+        self.finished = True
+        tokens = sum(len(ids) for ids in self.request.inputs)
+        return [Embeddings(vectors, tokens)]
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,139 @@
+"""The one scheduling queue, on the real engine and a tiny MiMo checkpoint."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from engine.engine import Engine
+from engine.sampling import SamplerSettings
+from mtplxd.jobs import Done, Failed, Priority, TextDelta, TextRequest
+from mtplxd.scheduler import NotReady, QueueFull, Scheduler, SchedulerLimits
+from tests.checkpoints import write
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def engine_(tmp_path_factory):
+    return Engine.load(write("mimo", tmp_path_factory.mktemp("ck") / "mimo", mtp_heads=1))
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def request(n: int, priority=Priority.NORMAL, **kw) -> TextRequest:
+    return TextRequest(prompt_ids=(10, 11, 12, 13), max_tokens=n, priority=priority,
+                       sampler=SamplerSettings(temperature=0.7), seed=1, **kw)
+
+
+async def collect(ticket, log: list, name: str) -> list:
+    events = []
+    async for event in ticket:
+        events.append(event)
+        log.append((name, type(event).__name__))
+    return events
+
+
+async def test_interactive_overtakes_and_classes_round_robin(engine_):
+    scheduler = Scheduler(lambda: engine_)
+    log: list = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        long_a = scheduler.submit(request(200))
+        long_b = scheduler.submit(request(200))
+        tg.start_soon(collect, long_a, log, "a")
+        tg.start_soon(collect, long_b, log, "b")
+        while len(log) < 6:
+            await anyio.sleep(0.01)
+        steps_before = scheduler.steps
+        events = await collect(scheduler.submit(request(3, Priority.INTERACTIVE, mode="ar")), log, "i")
+        assert isinstance(events[-1], Done)
+        # interactive prefill + 3 tokens need about 3 steps; normal jobs got at most one in between
+        assert scheduler.steps - steps_before <= 6
+        scheduler.stop()
+    names = [n for n, kind in log if kind == "TextDelta"]
+    first_a, first_b = names.index("a"), names.index("b")
+    last_a = len(names) - 1 - names[::-1].index("a")
+    assert first_b < last_a, "round-robin: b must start before a finishes"
+    assert max(first_a, first_b) < 4
+
+
+async def test_cancel_frees_the_engine_within_one_step(engine_):
+    scheduler = Scheduler(lambda: engine_)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        ticket = scheduler.submit(request(500))
+        seen = 0
+        async for event in ticket:
+            seen += isinstance(event, TextDelta)
+            if seen == 3:
+                break
+        ticket.cancel()
+        steps = scheduler.steps
+        with anyio.fail_after(10):
+            while scheduler.stats().active:
+                await anyio.sleep(0.005)
+        assert scheduler.steps - steps <= 1
+        assert scheduler.cancelled == 1
+        scheduler.stop()
+
+
+async def test_admission_control_refuses_beyond_the_bound(engine_):
+    scheduler = Scheduler(lambda: engine_, SchedulerLimits(max_active=1, max_queued=2))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        tickets = [scheduler.submit(request(100))]
+        while scheduler.stats().active == 0:
+            await anyio.sleep(0.005)
+        tickets += [scheduler.submit(request(100)) for _ in range(2)]  # no free slot: they wait
+        assert scheduler.stats().queued_by_class["normal"] == 2
+        with pytest.raises(QueueFull):
+            scheduler.submit(request(100))
+        for t in tickets:
+            t.cancel()
+        scheduler.stop()
+
+
+async def test_shutdown_ends_streams_with_an_error_event(engine_):
+    scheduler = Scheduler(lambda: engine_)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        ticket = scheduler.submit(request(1000))
+        first = await ticket.next_event()
+        assert isinstance(first, TextDelta)
+        scheduler.stop()
+        with anyio.fail_after(10):
+            rest = [e async for e in ticket]
+    assert isinstance(rest[-1], Failed) and rest[-1].kind == "shutdown"
+    with pytest.raises(NotReady):
+        scheduler.submit(request(1))
+
+
+async def test_failed_load_is_reported_not_raised(engine_):
+    def broken():
+        raise FileNotFoundError("no config.json")
+
+    scheduler = Scheduler(broken)
+    async with anyio.create_task_group() as tg:
+        queued = scheduler.submit(request(5))
+        tg.start_soon(scheduler.run)
+        with anyio.fail_after(10):
+            events = [e async for e in queued]
+    assert scheduler.state == "failed" and "no config.json" in scheduler.load_error
+    assert isinstance(events[-1], Failed)
+    with pytest.raises(NotReady):
+        scheduler.submit(request(1))
+
+
+async def test_bad_request_fails_alone(engine_):
+    scheduler = Scheduler(lambda: engine_)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        bad = [e async for e in scheduler.submit(request(5, depth=-1))]
+        good = [e async for e in scheduler.submit(request(5))]
+        scheduler.stop()
+    assert isinstance(bad[-1], Failed) and bad[-1].kind == "invalid"
+    assert isinstance(good[-1], Done) and good[-1].usage.completion_tokens == 5
