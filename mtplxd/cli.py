@@ -47,7 +47,182 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.run(args.json)
 
 
+# -- start / stop / status ------------------------------------------------------
+
+# `start` flags that are settings (dest == Settings field); see mtplxd/config.py.
+_SETTING_FLAGS = {
+    "--model": dict(metavar="PATH", help="checkpoint folder (default: the embedded model)"),
+    "--host": dict(help="address to listen on (default 127.0.0.1; others need --api-key)"),
+    "--port": dict(type=int, help="TCP port (default 8765; 0 picks a free one)"),
+    "--state-dir": dict(metavar="DIR", help="pid, address, logs, caches (default: MTPLXD_HOME or the user state folder)"),
+    "--profile": dict(metavar="P", help="decoding profile"),
+    "--depth": dict(metavar="K", type=int, help="default speculative depth (default 2)"),
+    "--api-key": dict(metavar="KEY", help="require this bearer token from clients"),
+    "--log-level": dict(metavar="LEVEL", help="debug, info, warning, error (default info)"),
+}
+
+
+def _start_args(p: argparse.ArgumentParser) -> None:
+    for flag, options in _SETTING_FLAGS.items():
+        p.add_argument(flag, **options)
+    p.add_argument("--config", metavar="FILE", help="TOML config file (default: <state dir>/config.toml)")
+    p.add_argument("--detach", action="store_true", help="run in the background; print the URL once it answers")
+    p.add_argument("--no-stderr-log", action="store_true", help=argparse.SUPPRESS)  # set by --detach
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def _start(args: argparse.Namespace) -> int:
+    from mtplxd import client
+    from mtplxd.config import ConfigError, load_settings
+
+    try:
+        settings = load_settings({_dest(f): getattr(args, _dest(f)) for f in _SETTING_FLAGS}, args.config)
+    except ConfigError as e:
+        print(f"mtplxd: {e}", file=sys.stderr)
+        return 2
+    running = client.owner_pid(settings.state_dir)
+    if running is not None:  # refuse before the slow imports; the daemon's lock decides races
+        where = client.daemon_url(settings.state_dir) or "(still starting)"
+        print(f"mtplxd is already running at {where} (pid {running}); stop it with: "
+              f"mtplxd stop --state-dir {settings.state_dir}", file=sys.stderr)
+        return 1
+    if args.detach:
+        return _start_detached(args, settings)
+    from mtplxd import daemon
+
+    return daemon.run(settings, log_to_stderr=not args.no_stderr_log)
+
+
+def _start_detached(args: argparse.Namespace, settings) -> int:
+    from mtplxd import client
+
+    child = ["--state-dir", str(settings.state_dir)]  # the folder this process waits on
+    for flag in _SETTING_FLAGS:
+        value = getattr(args, _dest(flag))
+        if value is not None and flag not in ("--state-dir", "--api-key"):
+            child += [flag, str(value)]
+    if args.config:
+        child += ["--config", args.config]
+    # The key travels in the environment: a long-lived process's argv is public (ps).
+    env = {"MTPLXD_API_KEY": args.api_key} if args.api_key else None
+    code, message = client.spawn(settings.state_dir, child, settings.api_key, env=env)
+    if code != 0:
+        print(f"mtplxd: {message}", file=sys.stderr)
+        return code
+    print(message)
+    hint = settings.missing_model_hint()
+    if hint:
+        print(f"mtplxd: warning: {hint}", file=sys.stderr)
+    return 0
+
+
+def _state_dir_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", metavar="DIR", help="the daemon's state dir (default: as for start)")
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from mtplxd import client
+    from mtplxd.config import resolve_state_dir
+
+    code, message = client.stop(resolve_state_dir(args.state_dir))
+    print(message, file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
+def _status_args(p: argparse.ArgumentParser) -> None:
+    _state_dir_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from mtplxd import client
+    from mtplxd.config import ConfigError, load_settings, resolve_state_dir
+
+    try:  # the key, where one is configured, in case /health asks for it
+        settings = load_settings({"state_dir": args.state_dir})
+        state_dir, api_key = settings.state_dir, settings.api_key
+    except ConfigError:
+        state_dir, api_key = resolve_state_dir(args.state_dir), None
+    report = client.status(state_dir, api_key)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_status(report)
+    if not report["running"]:
+        return 3
+    return 1 if "url" in report and report.get("health") is None else 0
+
+
+def _print_status(report: dict) -> None:
+    if not report["running"]:
+        print(f"mtplxd is not running (state dir {report['state_dir']})")
+        return
+    if "url" not in report:
+        print(f"mtplxd is starting (pid {report['pid']}, state dir {report['state_dir']})")
+        return
+    print(f"mtplxd is running at {report['url']} (pid {report['pid']}, version {report.get('version')})")
+    rows = [("state dir", report["state_dir"]), ("uptime", _duration(report.get("uptime_s")))]
+    health = report.get("health")
+    if health is None:
+        rows.append(("health", "not answering"))
+    for key, value in (health or {}).items():  # whatever /health reports, flattened one level
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        rows += [(f"{key}.{sub}" if sub else key, _show(v)) for sub, v in items]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+
+
+def _show(value: object) -> str:
+    import json
+
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    s = int(seconds)
+    return f"{s // 3600}h {s // 60 % 60:02d}m {s % 60:02d}s" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--serve", action="store_true",
+                   help="time interactive completions alone and behind 4 normal streams, over HTTP")
+    p.add_argument("--model", metavar="PATH", help="checkpoint to serve (default: the embedded model)")
+    p.add_argument("--requests", type=int, default=20, metavar="N", help="interactive requests per phase")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if not args.serve:
+        print("mtplxd bench: only --serve exists so far", file=sys.stderr)
+        return 2
+    from mtplxd import bench_serve
+
+    return bench_serve.run(args.model, args.requests, args.json)
+
+
 COMMANDS: dict[str, Command] = {
+    "bench": Command("benchmarks: --serve times interactive requests under load", _bench_args, _bench),
+    "start": Command(
+        "start the daemon (foreground unless --detach)",
+        _start_args,
+        _start,
+    ),
+    "stop": Command("stop the running daemon (not running is not an error)", _state_dir_args, _stop),
+    "status": Command(
+        "show the running daemon: model, state, uptime, queue, memory (exit 3 if not running)",
+        _status_args,
+        _status,
+    ),
     "inspect": Command(
         "classify a checkpoint: family, MTP heads, depth range, status "
         "(exit 0 supported, 3 ar-only, 4 unsupported, 2 unreadable)",
@@ -59,7 +234,7 @@ COMMANDS: dict[str, Command] = {
         _doctor_args,
         _doctor,
     ),
-    # "start", "stop", "status", "lsp", "mcp", "bench", "train": added here.
+    # "lsp", "mcp", "bench", "train": added here.
 }
 
 

@@ -142,6 +142,12 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of every special (control) token: named ones and special added tokens."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+
+
 class TextJob:
     def __init__(self, request: TextRequest, engine: Engine, default_depth: int, seed: int):
         self.request = request
@@ -159,6 +165,8 @@ class TextJob:
             )
         )
         self.detokenizer = engine.tokenizer.detokenizer
+        # Control tokens (chat and FIM markers) are never part of the text.
+        self.hidden_ids = special_token_ids(engine.tokenizer)
         self.stops = StopMatcher(request.stop)
         self.mtp = MTPStats(depth=depth if mode == "mtp" else 0)
         self.started = time.perf_counter()
@@ -171,7 +179,8 @@ class TextJob:
         if result.tokens and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         for token in result.tokens:
-            self.detokenizer.add_token(token)
+            if token not in self.hidden_ids:
+                self.detokenizer.add_token(token)
         finish = result.finish_reason
         if finish:
             self.detokenizer.finalize()

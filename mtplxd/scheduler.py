@@ -98,7 +98,7 @@ class Scheduler:
         self._load_engine = load_engine
         self.limits = limits
         self.engine = None
-        self.state: Literal["loading", "ready", "failed", "stopped"] = "loading"
+        self.state: Literal["loading", "ready", "failed", "stopping", "stopped"] = "loading"
         self.load_error: str | None = None
         self._cond = threading.Condition()
         self._queues: dict[Priority, deque[_Entry]] = {p: deque() for p in Priority}
@@ -117,7 +117,7 @@ class Scheduler:
     def submit(self, request: TextRequest | EmbedRequest) -> Ticket:
         if self.state == "failed":
             raise NotReady(f"model failed to load: {self.load_error}")
-        if self.state == "stopped":
+        if self.state in ("stopping", "stopped"):
             raise NotReady("the daemon is shutting down")
         send, receive = anyio.create_memory_object_stream[Event](math.inf)
         with self._cond:
@@ -132,6 +132,8 @@ class Scheduler:
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
+            if self.state in ("loading", "ready"):
+                self.state = "stopping"
             self._cond.notify()
 
     def stats(self) -> SchedulerStats:
@@ -155,7 +157,8 @@ class Scheduler:
     def _worker(self) -> None:
         try:
             self.engine = self._load_engine()
-            self.state = "ready"
+            if self.state == "loading":
+                self.state = "ready"
         except Exception as e:  # reported through /health and every submit
             self.load_error = f"{type(e).__name__}: {e}"
             self.state = "failed"

@@ -137,3 +137,20 @@ async def test_bad_request_fails_alone(engine_):
         scheduler.stop()
     assert isinstance(bad[-1], Failed) and bad[-1].kind == "invalid"
     assert isinstance(good[-1], Done) and good[-1].usage.completion_tokens == 5
+
+
+async def test_text_is_the_detokenized_ids_without_control_tokens(engine_):
+    from mtplxd.jobs import special_token_ids
+
+    scheduler = Scheduler(lambda: engine_)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        events = [e async for e in scheduler.submit(request(300, stop=()))]
+        scheduler.stop()
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    ids = [t for d in deltas for t in d.token_ids]
+    special = special_token_ids(engine_.tokenizer)
+    assert any(t in special for t in ids), "the random model should emit some control tokens"
+    text = "".join(d.text for d in deltas)
+    assert text == engine_.tokenizer.decode([t for t in ids if t not in special])
+    assert "<|" not in text

@@ -1,0 +1,173 @@
+"""Prompt token ids from the tokenizer's own templates: chat and fill-in-the-middle.
+
+Everything here works on an mlx-lm TokenizerWrapper (or the Hugging Face
+tokenizer it wraps) and plain Python values; no MLX, no asyncio, so adapters
+can call it on their side of the queue. Every problem a client can cause is a
+ValueError with a message fit to show that client.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+# Roles every chat template understands. "developer" is OpenAI's newer name for
+# "system"; most templates only know the latter, so it is renamed.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_ROLE_ALIASES = {"developer": "system"}
+
+# FIM triples by naming scheme, in the order they are tried. Each is
+# (prefix, suffix, middle); the prompt is laid out prefix-suffix-middle (PSM).
+FIM_SCHEMES = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen, StarCoder 2, DeepSeek-style
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+    ("<PRE>", "<SUF>", "<MID>"),  # Code Llama
+    ("▁<PRE>", "▁<SUF>", "▁<MID>"),  # Code Llama's SentencePiece spelling
+)
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+
+
+# -- chat ------------------------------------------------------------------------
+
+
+def message_text(content: Any) -> str:
+    """A message's content as one string: a string, None, or a list of text parts."""
+    if content is None:  # an assistant turn that only carried tool calls
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise ValueError(f"content parts of type {kind!r} are not supported: only text parts are")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string `text`")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """Validate OpenAI chat messages and reduce them to {role, content} strings."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        role = _ROLE_ALIASES.get(message.get("role"), message.get("role"))
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} or developer")
+        try:
+            out.append({"role": role, "content": message_text(message.get("content"))})
+        except ValueError as e:
+            raise ValueError(f"messages[{i}]: {e}") from None
+    return out
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    flag = getattr(tokenizer, "has_chat_template", None)
+    if isinstance(flag, bool):
+        return flag
+    return getattr(tokenizer, "chat_template", None) is not None
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
+    """Token ids of `messages` rendered by the model's chat template, ready for
+    the assistant's reply (add_generation_prompt=True)."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
+    normalized = normalize_messages(messages)
+    # Rendering to text, then encoding without extra special tokens, is the one
+    # form every transformers version agrees on (tokenize=True returns a list in
+    # some versions and a BatchEncoding in others). The template writes its own BOS.
+    text = tokenizer.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# -- plain completions and fill-in-the-middle ------------------------------------
+
+
+def completion_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """A raw prompt, with whatever the tokenizer adds at the start (its BOS)."""
+    return list(tokenizer.encode(text))
+
+
+_fim_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fim_tokens(tokenizer: Any) -> FimTokens:
+    """The tokenizer's own FIM special tokens; ValueError when it has none."""
+    try:
+        cached = _fim_cache.get(tokenizer)
+    except TypeError:  # not weak-referenceable: look it up every time
+        cached = None
+    if cached is None:
+        cached = _find_fim(tokenizer)
+        try:
+            _fim_cache[tokenizer] = cached
+        except TypeError:
+            pass
+    if isinstance(cached, str):
+        raise ValueError(cached)
+    return cached
+
+
+def _find_fim(tokenizer: Any) -> FimTokens | str:
+    """Look in the added tokens first (cheap, and where FIM tokens live in
+    tokenizer.json), then in the whole vocabulary (Code Llama keeps them there)."""
+    for vocab in (_added_vocab(tokenizer), _full_vocab(tokenizer)):
+        for names in FIM_SCHEMES:
+            if all(name in vocab for name in names):
+                return FimTokens(*(vocab[name] for name in names))
+    return "this model's tokenizer has no fill-in-the-middle tokens, so `suffix` is not supported"
+
+
+def _added_vocab(tokenizer: Any) -> dict[str, int]:
+    get = getattr(tokenizer, "get_added_vocab", None)
+    return dict(get()) if callable(get) else {}
+
+
+def _full_vocab(tokenizer: Any) -> dict[str, int]:
+    get = getattr(tokenizer, "get_vocab", None)
+    return dict(get()) if callable(get) else {}
+
+
+def fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str) -> list[int]:
+    """prefix-suffix-middle: <PRE> prefix <SUF> suffix <MID>; the model writes the middle.
+
+    The pieces are encoded separately and joined as ids, so text that merely
+    looks like a FIM token cannot move the boundaries.
+    """
+    fim = fim_tokens(tokenizer)
+    return [
+        *_leading_special(tokenizer),
+        fim.prefix,
+        *_encode_plain(tokenizer, prefix),
+        fim.suffix,
+        *_encode_plain(tokenizer, suffix),
+        fim.middle,
+    ]
+
+
+def _encode_plain(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def _leading_special(tokenizer: Any) -> list[int]:
+    """The BOS the tokenizer puts before text, if it puts one (Code Llama does, Qwen does not)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    ids = list(tokenizer.encode("a"))
+    return [bos] if ids and ids[0] == bos else []

@@ -1,0 +1,219 @@
+"""The daemon's settings: one typed object, and the only code that reads the environment.
+
+Precedence, lowest first: defaults < config file < environment < command-line flags.
+
+- config file: TOML, `--config FILE`, else `<state_dir>/config.toml` when it exists;
+  its keys are the field names below (`port = 8765`).
+- environment: `MTPLXD_<FIELD>` (`MTPLXD_PORT=9000`); `MTPLXD_HOME` is the default state dir.
+- flags: `mtplxd start --port 9000`.
+
+Every problem is a ConfigError whose message is one line naming where the bad value came from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import os
+import sys
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; str(e) is one line."""
+
+
+def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """MTPLXD_HOME, else the platform's per-user state folder."""
+    env = os.environ if environ is None else environ
+    if env.get("MTPLXD_HOME"):
+        return Path(env["MTPLXD_HOME"]).expanduser().absolute()
+    home = Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "mtplxd"
+    xdg = env.get("XDG_STATE_HOME", "")
+    # The XDG spec says relative values are invalid and must be ignored.
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else home / ".local" / "state"
+    return base / "mtplxd"
+
+
+def resolve_state_dir(flag: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Path:
+    """The state dir without reading any config file: --state-dir, MTPLXD_STATE_DIR, default.
+    (`mtplxd stop` must find the daemon even when the config file has gone bad.)"""
+    env = os.environ if environ is None else environ
+    chosen = flag or env.get("MTPLXD_STATE_DIR")
+    return Path(chosen).expanduser().absolute() if chosen else default_state_dir(env)
+
+
+def embedded_model_dir() -> Path:
+    """engine/assets/, found without importing `engine` (that sets up BLAS and MLX)."""
+    spec = importlib.util.find_spec("engine")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        raise ConfigError("the `engine` package is not installed; reinstall mtplxd")
+    return Path(locations[0]) / "assets"
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    state_dir: Path = field(default_factory=default_state_dir)
+    model: Path | None = None  # None: the embedded default model (engine/assets/)
+    profile: str | None = None
+    depth: int = 2
+    api_key: str | None = None
+    max_active: int = 8
+    max_queued: int = 64
+    interactive_reserve: int = 2
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "host: must not be empty")
+        _check(0 <= self.port <= 65535, f"port: must be between 0 and 65535, got {self.port}")
+        _check(self.depth >= 1, f"depth: must be at least 1, got {self.depth}")
+        _check(self.max_active >= 1, f"max_active: must be at least 1, got {self.max_active}")
+        _check(self.max_queued >= 0, f"max_queued: must not be negative, got {self.max_queued}")
+        _check(
+            self.interactive_reserve >= 0,
+            f"interactive_reserve: must not be negative, got {self.interactive_reserve}",
+        )
+        _check(
+            self.log_level in LOG_LEVELS,
+            f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}",
+        )
+        # Anyone who can reach the port can run the model and read what it writes.
+        _check(
+            is_loopback(self.host) or bool(self.api_key),
+            f"refusing to listen on {self.host} without an API key: anyone on the network could "
+            "use the model; set --api-key (or MTPLXD_API_KEY), or listen on 127.0.0.1",
+        )
+
+    @property
+    def model_path(self) -> Path:
+        return self.model if self.model is not None else embedded_model_dir()
+
+    @property
+    def uses_embedded_model(self) -> bool:
+        return self.model is None
+
+    def missing_model_hint(self) -> str | None:
+        """What to tell a user whose default (embedded) model is not there."""
+        if self.uses_embedded_model and not (self.model_path / "config.json").is_file():
+            return (
+                f"no embedded model is installed yet ({self.model_path} has no config.json); "
+                "start with --model PATH (a Hugging Face checkpoint folder)"
+            )
+        return None
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+# -- loading ---------------------------------------------------------------------
+
+# field name -> kind; "path" values are expanded (~) and made absolute, "?" allows None.
+_KINDS = {
+    "host": "str",
+    "port": "int",
+    "state_dir": "path",
+    "model": "path?",
+    "profile": "str?",
+    "depth": "int",
+    "api_key": "str?",
+    "max_active": "int",
+    "max_queued": "int",
+    "interactive_reserve": "int",
+    "log_level": "str",
+}
+assert set(_KINDS) == {f.name for f in fields(Settings)}
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge the four layers. `flags` maps field names to values, None meaning "not given"."""
+    env = os.environ if environ is None else environ
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    unknown = set(given) - set(_KINDS)
+    if unknown:
+        raise ConfigError(f"unknown setting {sorted(unknown)[0]!r}")
+    values: dict[str, Any] = {}
+    path, required = _config_path(config_file, given, env)
+    values.update(_read_toml(path, required))
+    values.update(_read_env(env))
+    values.update({k: _coerce(k, v, f"--{k.replace('_', '-')}") for k, v in given.items()})
+    if "state_dir" not in values:
+        values["state_dir"] = default_state_dir(env)
+    return Settings(**values)
+
+
+def _config_path(config_file: Any, flags: Mapping[str, Any], env: Mapping[str, str]) -> tuple[Path, bool]:
+    """The file named by --config (must exist), else <state_dir>/config.toml (may be absent)."""
+    if config_file is not None:
+        return Path(config_file).expanduser(), True
+    return resolve_state_dir(flags.get("state_dir"), env) / "config.toml", False
+
+
+def _read_toml(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ConfigError(f"{path}: config file not found")
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})")
+    for key in data:
+        if key not in _KINDS:
+            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(_KINDS)})")
+    if "state_dir" in data and not required:  # the file was found through the state dir itself
+        raise ConfigError(f"{path}: state_dir cannot be set in the state dir's own config file")
+    return {k: _coerce(k, v, str(path), strict=True) for k, v in data.items()}
+
+
+def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values = {}
+    for name in _KINDS:
+        var = f"MTPLXD_{name.upper()}"
+        if env.get(var):  # an empty variable counts as unset
+            values[name] = _coerce(name, env[var], var)
+    return values
+
+
+def _coerce(name: str, value: Any, source: str, strict: bool = False) -> Any:
+    """Turn a raw value into the field's type. `strict` (TOML) refuses strings for numbers,
+    since the file has real types; the environment and flags only have strings."""
+    kind = _KINDS[name].rstrip("?")
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and not strict:
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{source}: {name}: expected an integer, got {value!r}")
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{source}: {name}: expected a string, got {value!r}")
+    if kind == "path":
+        return Path(value).expanduser().absolute()
+    return str(value).lower() if name == "log_level" else str(value)

@@ -1,0 +1,285 @@
+"""The daemon's main: one process, one model, one task group.
+
+    mtplxd start  ->  run(settings)  ->  anyio.run(Daemon(settings).serve)
+
+`serve` owns the state dir for its lifetime (an exclusive flock on daemon.pid), then
+runs the HTTP server and the scheduler side by side. The server starts at once, so
+/health answers "loading" while the model loads, and keeps answering if the load
+fails. SIGINT/SIGTERM stop the scheduler first (in-flight streams get a final
+"shutdown" error event from it), then the server; the pid and address files go last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Callable, NoReturn
+
+import anyio
+import uvicorn
+
+from mtplxd import client
+from mtplxd.client import prepare_state_dir
+from mtplxd.config import Settings
+from mtplxd.scheduler import Scheduler, SchedulerLimits
+
+log = logging.getLogger("mtplxd.daemon")
+
+GRACEFUL_SHUTDOWN_S = 5  # open HTTP streams get this long to finish after a signal
+LOADER_GRACE_S = 5  # a model load cannot be interrupted: wait this long, then abandon it
+
+
+class AlreadyRunning(Exception):
+    pass
+
+
+class ServerFailed(Exception):
+    """uvicorn could not start (it logged why: address in use, lifespan error)."""
+
+
+def run(settings: Settings, log_to_stderr: bool = True) -> NoReturn:
+    """Blocking entry point of `mtplxd start` (foreground). Ends the process."""
+    prepare_state_dir(settings.state_dir)
+    setup_logging(settings, log_to_stderr)
+    code = 0
+    try:
+        anyio.run(Daemon(settings).serve)
+    except (AlreadyRunning, ServerFailed) as e:
+        log.error("%s", e)
+        code = 1
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
+        code = 130
+    except Exception:
+        log.exception("the daemon failed")
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: MLX, once used from a worker thread, can abort in its
+    # C++ static destructors at exit (ml-explore/mlx#3126), and an abandoned model load
+    # would hold the interpreter until it ends. Files are closed and the pid file gone.
+    os._exit(code)
+
+
+class Daemon:
+    def __init__(self, settings: Settings, load_engine: Callable[[], object] | None = None):
+        self.settings = settings
+        limits = SchedulerLimits(
+            max_active=settings.max_active,
+            interactive_reserve=settings.interactive_reserve,
+            max_queued=settings.max_queued,
+            default_depth=settings.depth,
+        )
+        self.scheduler = Scheduler(load_engine or partial(load_model, settings.model_path), limits)
+        self.server: uvicorn.Server | None = None
+        self.port: int | None = None  # the port actually bound, once listening
+
+    async def serve(self) -> None:
+        state_dir = self.settings.state_dir
+        prepare_state_dir(state_dir)
+        with PidLock(state_dir / client.PID_FILE):
+            try:
+                await self._serve_locked()
+            finally:
+                (state_dir / client.INFO_FILE).unlink(missing_ok=True)
+        log.info("stopped")
+
+    def shutdown(self) -> None:
+        """Begin a clean shutdown (idempotent); `serve` returns when it is done."""
+        self.scheduler.stop()
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def _serve_locked(self) -> None:
+        from adapters.openai import create_app  # after the lock: a refused start stays cheap
+
+        config = uvicorn.Config(
+            create_app(self.scheduler, self.settings),
+            host=self.settings.host,
+            port=self.settings.port,
+            log_config=None,  # our handlers (setup_logging) receive uvicorn's records
+            lifespan="on",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        self.server = _Server(config)
+        scheduler_done = anyio.Event()
+        server_failed = False
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_signals)
+            tg.start_soon(self._run_scheduler, scheduler_done)
+            tg.start_soon(self._report_load)
+            tg.start_soon(self._publish_address)
+            try:
+                await self.server.serve()
+            except SystemExit:  # uvicorn's way of saying it could not start
+                server_failed = True
+            finally:
+                self.shutdown()
+                with anyio.move_on_after(LOADER_GRACE_S, shield=True):
+                    await scheduler_done.wait()
+                tg.cancel_scope.cancel()
+        if server_failed:
+            raise ServerFailed(f"could not serve HTTP on {self.settings.host}:{self.settings.port}")
+
+    async def _run_scheduler(self, done: anyio.Event) -> None:
+        try:
+            await self.scheduler.run()
+        finally:
+            done.set()
+
+    async def _report_load(self) -> None:
+        """Say in the log how the model load ended (the scheduler keeps it to /health)."""
+        log.info("loading model %s", self.settings.model_path)
+        started = time.perf_counter()
+        while self.scheduler.state == "loading":
+            await anyio.sleep(0.05)
+        if self.scheduler.state == "ready":
+            log.info("model ready after %.1f s", time.perf_counter() - started)
+        elif self.scheduler.state == "failed":
+            log.error("model failed to load: %s", self.scheduler.load_error)
+            hint = self.settings.missing_model_hint()
+            if hint:
+                log.error("%s", hint)
+            log.error("the daemon keeps running; /health reports the failure")
+
+    async def _publish_address(self) -> None:
+        """Write daemon.json once the server listens: its existence means "connect now"."""
+        server = self.server
+        while not server.started:
+            if server.should_exit:
+                return
+            await anyio.sleep(0.02)
+        sockname = server.servers[0].sockets[0].getsockname()
+        self.port = int(sockname[1])
+        info = {
+            "host": self.settings.host,
+            "port": self.port,
+            "pid": os.getpid(),
+            "version": _version(),
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        write_private(self.settings.state_dir / client.INFO_FILE, json.dumps(info, indent=2) + "\n")
+        log.info("listening on %s", client.base_url(client.connect_host(self.settings.host), self.port))
+
+    async def _watch_signals(self) -> None:
+        try:
+            receiver = anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+            with receiver as signals:
+                async for signum in signals:
+                    if self.server.should_exit:  # a second signal: stop waiting for streams
+                        self.server.force_exit = True
+                    log.info("received %s: shutting down", signal.Signals(signum).name)
+                    self.shutdown()
+        except (ValueError, RuntimeError, NotImplementedError):
+            # Not on the main thread (an embedding test): the owner calls shutdown().
+            await anyio.sleep_forever()
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # The daemon handles SIGINT/SIGTERM itself (scheduler first, then the server);
+        # uvicorn's own handlers would re-raise the signal after serve() returns.
+        yield
+
+
+def load_model(path: Path) -> object:
+    """Runs on the scheduler's worker thread."""
+    import engine  # noqa: F401  (sets up BLAS before mlx.core loads)
+    from engine.engine import Engine
+
+    return Engine.load(path)
+
+
+# -- the state dir -----------------------------------------------------------------
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a 0600 file atomically: readers never see half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+class PidLock:
+    """Holds daemon.pid, locked, for the daemon's lifetime (see mtplxd.client)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: int | None = None
+
+    def __enter__(self) -> PidLock:
+        while self.fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                pid = client.owner_pid(self.path.parent)
+                raise AlreadyRunning(
+                    f"mtplxd is already running (pid {pid}) with state dir {self.path.parent}; "
+                    f"stop it first: mtplxd stop --state-dir {self.path.parent}"
+                )
+            if _same_file(fd, self.path):
+                self.fd = fd
+            else:  # a stale-file cleanup unlinked it between open and lock: start over
+                os.close(fd)
+        os.fchmod(self.fd, 0o600)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)  # before unlocking: no one sees a stale file
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+# -- logging -------------------------------------------------------------------------
+
+
+def setup_logging(settings: Settings, to_stderr: bool) -> None:
+    """Everything (ours, uvicorn's, the engine's) to logs/daemon.log, and to stderr
+    in the foreground."""
+    path = settings.state_dir / client.LOG_FILE
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    os.chmod(path, 0o600)  # requests' paths and errors land here
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers: list[logging.Handler] = [logging.FileHandler(path, encoding="utf-8")]
+    if to_stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    root = logging.getLogger()
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(settings.log_level.upper())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mtplxd")
+    except PackageNotFoundError:
+        return "unknown"
