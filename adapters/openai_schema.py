@@ -230,6 +230,8 @@ def _text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: 
         seed=_seed(body),
         stop=_stops(body),
         priority=priority,
+        # Extension, as in other local servers: fixed-length outputs for benchmarks.
+        ignore_eos=get_bool(body, "ignore_eos"),
     )
     get_str(body, "user")
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):

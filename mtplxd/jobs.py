@@ -34,6 +34,7 @@ class TextRequest:
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()
     priority: Priority = Priority.NORMAL
+    ignore_eos: bool = False  # benchmarks: fixed-length outputs
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class TextJob:
                 depth=depth,
                 seed=seed,
                 max_tokens=request.max_tokens,
-                stop_token_ids=frozenset(engine.tokenizer.eos_token_ids),
+                stop_token_ids=frozenset() if request.ignore_eos else frozenset(engine.tokenizer.eos_token_ids),
             )
         )
         self.detokenizer = engine.tokenizer.detokenizer

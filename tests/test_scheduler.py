@@ -154,3 +154,15 @@ async def test_text_is_the_detokenized_ids_without_control_tokens(engine_):
     text = "".join(d.text for d in deltas)
     assert text == engine_.tokenizer.decode([t for t in ids if t not in special])
     assert "<|" not in text
+
+
+async def test_ignore_eos_gives_fixed_length_outputs(engine_):
+    scheduler = Scheduler(lambda: engine_)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        hot = SamplerSettings(temperature=5.0)  # near-uniform: end-of-text comes early
+        normal = [e async for e in scheduler.submit(TextRequest((10, 11), 400, hot, seed=2))]
+        fixed = [e async for e in scheduler.submit(TextRequest((10, 11), 400, hot, seed=2, ignore_eos=True))]
+        scheduler.stop()
+    assert normal[-1].usage.completion_tokens < 400  # the random model does emit end-of-text
+    assert fixed[-1].usage.completion_tokens == 400 and fixed[-1].finish_reason == "length"
