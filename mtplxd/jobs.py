@@ -35,6 +35,7 @@ class TextRequest:
     stop: tuple[str, ...] = ()
     priority: Priority = Priority.NORMAL
     ignore_eos: bool = False  # benchmarks: fixed-length outputs
+    workspace: str | None = None  # absolute folder: the session-bank namespace (None: default)
 
 
 @dataclass(frozen=True)
