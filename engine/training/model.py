@@ -1,0 +1,199 @@
+"""The trained model: mlx-lm's MiMo trunk plus the engine's own MTP layers.
+
+No architecture is defined here: the trunk is `mlx_lm.models.mimo.Model` and
+each head is `engine.backends.mimo.MTPLayer`, exactly what the engine loads.
+
+Teacher-forced losses over a window x[0..S] in one forward, no cache:
+
+    trunk:  h = final-normed trunk hidden over x[0..S-1];  CE(lm(h_t), x[t+1])
+    head k: at position p it reads (hidden-in_p, x[p+k+1]) and predicts
+            x[p+k+2]; hidden-in is h for k = 0 and head k-1's output
+            otherwise; causal attention over positions 0..S-k-2.
+
+That is the pairing engine/generation.py uses when drafting, so a head
+trained here drafts at the depth it was trained for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import mimo
+
+from engine.backends.mimo import HEAD_PREFIX, MTPLayer
+
+
+def model_config(
+    vocab_size: int,
+    hidden: int = 256,
+    layers: int = 12,
+    heads: int = 2,
+    intermediate: int | None = None,
+    attention_heads: int | None = None,
+    kv_heads: int | None = None,
+    max_positions: int = 2048,
+    eos_token_id: int = 0,
+) -> dict:
+    """A MiMo config.json (real MiMo field names) for a model trained from scratch."""
+    attention_heads = attention_heads or max(1, hidden // 64)
+    kv_heads = kv_heads or max(1, attention_heads // 2)
+    if hidden % attention_heads or attention_heads % kv_heads:
+        raise ValueError(f"hidden {hidden}, {attention_heads} attention heads, {kv_heads} KV heads do not divide")
+    return {
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "mimo",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate or default_intermediate(hidden),
+        "num_hidden_layers": layers,
+        "num_attention_heads": attention_heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_positions,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "num_nextn_predict_layers": heads,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def default_intermediate(hidden: int) -> int:
+    """2.5x the hidden size, a multiple of 32 (640 for 256): a narrower FFN buys
+    depth, and depth is what speculative decoding rewards."""
+    return max(32, 5 * hidden // 2 // 32 * 32)
+
+
+def parameter_count(config: dict) -> dict[str, int]:
+    """Trunk and head parameter counts of a config (without building it)."""
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd = d // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    block = d * q + q + 2 * (d * kv + kv) + q * d + 3 * d * f + 2 * d
+    embed = v * d * (1 if config.get("tie_word_embeddings") else 2)
+    trunk = embed + config["num_hidden_layers"] * block + d
+    head = block + 2 * d * d + 3 * d
+    return {"trunk": trunk, "heads": config["num_nextn_predict_layers"] * head}
+
+
+class MTPModel(nn.Module):
+    """Trunk + MTP layers, trained together (or the layers alone on a frozen trunk)."""
+
+    def __init__(self, config: dict, trunk: nn.Module | None = None, n_heads: int | None = None):
+        super().__init__()
+        args = mimo.ModelArgs.from_dict(config)
+        self.trunk = trunk if trunk is not None else mimo.Model(args)
+        n = config.get("num_nextn_predict_layers", 0) if n_heads is None else n_heads
+        self.mtp_layers = [MTPLayer(args) for _ in range(n)]
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        trunk = self.trunk
+        if getattr(trunk.args, "tie_word_embeddings", False) or not hasattr(trunk, "lm_head"):
+            return trunk.model.embed_tokens.as_linear(h)
+        return trunk.lm_head(h)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.trunk.model.embed_tokens(tokens)
+
+    def heads_forward(self, hidden: mx.array, x: mx.array):
+        """Yield (k, head k's logits) over every position it can predict."""
+        S = x.shape[1] - 1
+        for k, layer in enumerate(self.mtp_layers):
+            n = S - k - 1
+            if n < 1:
+                break
+            hidden = layer(hidden[:, :n], self.embed(x[:, k + 1 : k + 1 + n]), None)
+            yield k, self.lm_head(hidden)
+
+    def named_tensors(self, heads_only: bool = False) -> dict[str, mx.array]:
+        """Parameters under their checkpoint names (Hugging Face MiMo keys)."""
+        out = {}
+        if not heads_only:
+            out.update(tree_flatten(self.trunk.parameters()))
+        for i, layer in enumerate(self.mtp_layers):
+            out.update({f"{HEAD_PREFIX}{i}.{k}": v for k, v in tree_flatten(layer.parameters())})
+        return out
+
+
+# MLX's CPU exp is slow (about 20 ns an element, measured with mlx 0.32) and
+# exponentials dominate a small model's training step; 2**x is about 3x
+# cheaper, so the losses exponentiate that way (same values to float32
+# rounding, gradients included; tests/test_train.py compares).
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def fast_exp(x: mx.array) -> mx.array:
+    return mx.power(2.0, x * _LOG2E)
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    shifted = logits - mx.stop_gradient(logits.max(axis=-1, keepdims=True))
+    return shifted - mx.log(fast_exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
+    """Mean cross-entropy of integer targets (as nn.losses.cross_entropy)."""
+    shifted = logits - mx.stop_gradient(logits.max(axis=-1, keepdims=True))
+    lse = mx.log(fast_exp(shifted).sum(axis=-1))
+    return (lse - mx.take_along_axis(shifted, targets[..., None], axis=-1)[..., 0]).mean()
+
+
+def trunk_loss(model: MTPModel, x: mx.array, head_weights: tuple[float, ...]):
+    """Full training: CE of the trunk + weighted CE of each head, one forward."""
+    S = x.shape[1] - 1
+    h = model.trunk.model(x[:, :S])
+    losses = [cross_entropy(model.lm_head(h), x[:, 1:])]
+    for k, logits in model.heads_forward(h, x):
+        n = logits.shape[1]
+        losses.append(cross_entropy(logits, x[:, k + 2 : k + 2 + n]))
+    total = losses[0] + sum(w * l for w, l in zip(head_weights, losses[1:]))
+    return total, mx.stack(losses)
+
+
+def distill_loss(model: MTPModel, x: mx.array, h: mx.array, target_logp: mx.array,
+                 head_weights: tuple[float, ...]):
+    """Heads-only: KL(trunk || head k) on the trunk's own next-token distribution.
+
+    `h` and `target_logp` (trunk log-probabilities over positions 0..S-1) are
+    computed outside the gradient: the trunk is frozen.
+    """
+    losses = []
+    for k, logits in model.heads_forward(h, x):
+        n = logits.shape[1]
+        p_logp = target_logp[:, k + 1 : k + 1 + n]
+        losses.append((fast_exp(p_logp) * (p_logp - log_softmax(logits))).sum(axis=-1).mean())
+    total = sum(w * l for w, l in zip(head_weights, losses))
+    return total, mx.stack(losses)
+
+
+def head_agreement(model: MTPModel, x: mx.array, h: mx.array, target: mx.array) -> list[float]:
+    """Per head: how often its argmax equals `target` (token ids over positions 0..S-1,
+    aligned like the trunk's predictions: target[:, t] is what position t predicts)."""
+    out = []
+    for k, logits in model.heads_forward(h, x):
+        n = logits.shape[1]
+        out.append((logits.argmax(axis=-1) == target[:, k + 1 : k + 1 + n]).astype(mx.float32).mean())
+    return [float(a) for a in out] if out else []
+
+
+def save_safetensors(path: Path, tensors: dict[str, mx.array], dtype: mx.Dtype | None = mx.bfloat16) -> None:
+    """Write atomically (a temporary file renamed), casting floats to `dtype`."""
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tensors.items()}
+    tmp = path.with_name(path.stem + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), tensors, metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,290 @@
+"""The training loop shared by full training and heads-only training.
+
+AdamW with linear warmup and cosine decay, gradient clipping, one compiled
+step. Resumable: every `save_every` steps (and at the end, and on Ctrl-C)
+the job writes its usable bf16 checkpoint and, under `<out>/train_state/`,
+the float32 trainable weights, the optimizer state and `state.json` (step,
+data position, settings). `<out>/train_state/log.jsonl` has one line per step.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from engine.training.data import Batches
+from engine.training.model import save_safetensors, write_json
+
+STATE_DIR = "train_state"
+
+
+@dataclass
+class LoopSettings:
+    steps: int
+    lr: float
+    warmup: int | None = None  # default: min(100, steps // 10)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    save_every: int = 100
+    compile: bool = True
+    progress: bool = True
+    threads: int | None = 1  # BLAS threads while training (None: leave as is)
+    max_minutes: float | None = None  # stop (saving) once this much time has passed
+
+
+@dataclass
+class Job:
+    """What differs between training modes."""
+
+    module: nn.Module  # its trainable parameters are what is trained
+    loss: Callable  # (module, x) -> (scalar loss, per-part losses [n])
+    part_names: list[str]
+    batches: Batches
+    out: Path
+    write_model: Callable[[], None]  # the bf16 checkpoint into `out`
+    describe: dict[str, Any] = field(default_factory=dict)  # into state.json
+    evaluate: Callable[[], dict] | None = None  # held-out metrics at each save
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    step: int
+    steps: int
+    tokens_per_s: float
+    history: list[dict]  # one entry per step run in this call
+    evals: list[dict]
+
+
+def schedule(s: LoopSettings):
+    warmup = s.warmup if s.warmup is not None else min(100, s.steps // 10)
+    decay = optim.cosine_decay(s.lr, max(1, s.steps - warmup), s.lr * s.min_lr_ratio)
+    if warmup <= 0:
+        return decay
+    return optim.join_schedules([optim.linear_schedule(s.lr / warmup, s.lr, warmup), decay], [warmup])
+
+
+def read_state(out: Path) -> dict | None:
+    path = Path(out) / STATE_DIR / "state.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+class _Interrupts:
+    """First Ctrl-C: finish the step, save, stop. Second: stop at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupt: saving a checkpoint after this step (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def blas_threads(n: int | None) -> int | None:
+    """Set OpenBLAS's thread count where OpenBLAS serves MLX; returns the old
+    count (None where there is no OpenBLAS to set, e.g. macOS).
+
+    Training small models on a CPU is bound by MLX's single-threaded
+    element-wise work (exp in softmax, SiLU and the loss), not by matmuls:
+    one BLAS thread is about as fast as two, and does not stall when other
+    processes share the cores (a second BLAS thread that loses its core holds
+    up every matmul)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)
+    except OSError:
+        return None
+    for prefix in ("scipy_openblas", "openblas"):
+        setter, getter = getattr(lib, f"{prefix}_set_num_threads", None), getattr(lib, f"{prefix}_get_num_threads", None)
+        if setter is not None and getter is not None:
+            old = int(getter())
+            if n is not None:
+                setter(int(n))
+            return old
+    return None
+
+
+def run(job: Job, s: LoopSettings, resume: bool = False,
+        callback: Callable[[int, dict], None] | None = None) -> TrainResult:
+    previous_threads = blas_threads(s.threads) if s.threads else None
+    try:
+        return _run(job, s, resume, callback)
+    finally:
+        if previous_threads:
+            blas_threads(previous_threads)
+
+
+def _run(job: Job, s: LoopSettings, resume: bool,
+         callback: Callable[[int, dict], None] | None) -> TrainResult:
+    state_dir = job.out / STATE_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+    module = job.module
+    opt = optim.AdamW(learning_rate=schedule(s), weight_decay=s.weight_decay)
+    opt.init(module.trainable_parameters())
+    step = 0
+    if resume:
+        step = _restore(job, opt, state_dir)
+    loss_and_grad = nn.value_and_grad(module, job.loss)
+
+    def train_step(x):
+        (loss, parts), grads = loss_and_grad(module, x)
+        if s.grad_clip:
+            grads, _ = optim.clip_grad_norm(grads, s.grad_clip)
+        opt.update(module, grads)
+        return loss, parts
+
+    if s.compile:
+        state = [module.state, opt.state]
+        train_step = partial(mx.compile, inputs=state, outputs=state)(train_step)
+
+    tokens_per_step = job.batches.batch * job.batches.seq_len
+    history: list[dict] = []
+    evals: list[dict] = []
+    bar = _Progress(s.steps, step, s.progress)
+    log = (state_dir / "log.jsonl").open("a", buffering=1)  # line-buffered: readable while training
+    started, run_tokens = time.perf_counter(), 0
+
+    def save() -> None:
+        _save(job, opt, state_dir, step, s)
+        if job.evaluate is not None:
+            metrics = {"step": step, **job.evaluate()}
+            evals.append(metrics)
+            log.write(json.dumps({"eval": metrics}) + "\n")
+            bar.note("eval " + " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
+        log.flush()
+
+    try:
+        with _Interrupts() as interrupts:
+            while step < s.steps:
+                t = time.perf_counter()
+                x = mx.array(job.batches.get(step * job.batches.batch))
+                loss, parts = train_step(x)
+                mx.eval(loss, parts, module.trainable_parameters(), opt.state)
+                step += 1
+                dt = time.perf_counter() - t
+                run_tokens += tokens_per_step
+                entry = {"step": step, "loss": loss.item(), "lr": float(opt.learning_rate),
+                         **dict(zip(job.part_names, parts.tolist())), "s": round(dt, 4)}
+                history.append(entry)
+                log.write(json.dumps(entry) + "\n")
+                rate = run_tokens / (time.perf_counter() - started)
+                bar.update(entry, rate)
+                if callback is not None:
+                    callback(step, entry)
+                if interrupts.requested:
+                    raise KeyboardInterrupt
+                out_of_time = s.max_minutes is not None and time.perf_counter() - started > 60 * s.max_minutes
+                if step % s.save_every == 0 or step == s.steps or out_of_time:
+                    save()
+                if out_of_time and step < s.steps:
+                    bar.note(f"time budget of {s.max_minutes:g} min spent at step {step}/{s.steps}; "
+                             f"checkpoint saved (more with --resume)")
+                    break
+    except KeyboardInterrupt:
+        save()
+        bar.note(f"interrupted at step {step}; checkpoint saved in {job.out} (continue with --resume)")
+        raise
+    finally:
+        bar.close()
+        log.close()
+    elapsed = time.perf_counter() - started
+    return TrainResult(job.out, step, s.steps, run_tokens / max(elapsed, 1e-9), history, evals)
+
+
+def _save(job: Job, opt: optim.Optimizer, state_dir: Path, step: int, s: LoopSettings) -> None:
+    mx.eval(job.module.trainable_parameters(), opt.state)
+    job.write_model()
+    save_safetensors(state_dir / "weights.safetensors", dict(tree_flatten(job.module.trainable_parameters())), None)
+    save_safetensors(state_dir / "optimizer.safetensors", dict(tree_flatten(opt.state)), None)
+    write_json(state_dir / "state.json", {
+        "step": step,
+        "data_position": step * job.batches.batch,
+        "loop": s.__dict__,
+        **job.describe,
+    })
+
+
+def _restore(job: Job, opt: optim.Optimizer, state_dir: Path) -> int:
+    state = read_state(job.out)
+    if state is None:
+        raise FileNotFoundError(f"nothing to resume in {job.out} (no {STATE_DIR}/state.json)")
+    weights = mx.load(str(state_dir / "weights.safetensors"))
+    job.module.load_weights(list(weights.items()), strict=False)
+    expected = {k for k, _ in tree_flatten(job.module.trainable_parameters())}
+    if set(weights) != expected:
+        raise ValueError(f"{state_dir}: saved weights do not match the model being trained")
+    opt.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
+    mx.eval(job.module.parameters(), opt.state)
+    if state["data_position"] != state["step"] * job.batches.batch:
+        raise ValueError(f"{state_dir}: batch size changed since the checkpoint")
+    return int(state["step"])
+
+
+class _Progress:
+    """tqdm where installed, else a carriage-return line; silent when disabled."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.total, self.enabled, self._bar = total, enabled, None
+        self._start, self._initial = time.perf_counter(), initial
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                                 file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, entry: dict, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        text = f"loss {entry['loss']:.3f} {tokens_per_s:,.0f} tok/s"
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(1)
+            return
+        done = entry["step"] - self._initial
+        left = (time.perf_counter() - self._start) / max(done, 1) * (self.total - entry["step"])
+        eta = f"{int(left // 60)}:{int(left % 60):02d}"
+        print(f"\rstep {entry['step']}/{self.total} {text} ETA {eta}  ", end="", file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print("\n" + text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            print(file=sys.stderr)

@@ -1,0 +1,299 @@
+"""mtplxd's own training code (engine/training): tokenizer, FIM data, the
+from-scratch MiMo-layout model, resume and Ctrl-C, and heads-only training
+for a checkpoint without MTP heads. Tiny sizes: the whole file runs in well
+under a minute on two CPU cores."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import engine  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from engine.backends.descriptors import inspect_checkpoint
+from engine.backends.mimo import MTPLayer
+from engine.engine import Engine, load_tokenizer
+from engine.generation import GenerationRequest
+from engine.sampling import SamplerSettings
+from engine.train import (
+    SPECIAL_TOKENS, STATE_DIR, Batches, HeadsSettings, ModelSettings, build_stream, fim_ids, fim_split,
+    load_corpus, measure_acceptance, resume_training, save_tokenizer, train_heads, train_model,
+    train_tokenizer,
+)
+from tests.checkpoints import write
+
+TINY = dict(vocab=300, hidden=32, layers=2, heads=2, seq_len=32, batch=4, lr=3e-3, save_every=1000,
+            eval_windows=0, compile=False, progress=False)
+
+
+def repetitive_source(seed: int) -> str:
+    """Python-like text over the tiny test tokenizer's characters, highly predictable."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(30):
+        n = rng.randint(0, 9)
+        out.append(f"def add_{n}(x):\n    return x + {n}\n\n")
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    for i in range(4):
+        (folder / f"mod{i}.py").write_text(repetitive_source(i))
+    (folder / "tests").mkdir()
+    (folder / "tests" / "test_skipped.py").write_text("SKIPPED = 1\n")
+    (folder / "textwrap.py").write_text("HELD_OUT = 1\n")  # a held-out module name
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """One tiny from-scratch run shared by the checks below."""
+    out = tmp_path_factory.mktemp("full") / "model"
+    result = train_model(ModelSettings(out=str(out), corpus=str(corpus), steps=60, **TINY))
+    return out, result
+
+
+def test_corpus_skips_tests_and_held_out_modules(corpus):
+    paths = [d.path for d in load_corpus(corpus)]
+    assert sorted(paths) == [f"mod{i}.py" for i in range(4)]
+    assert paths == [d.path for d in load_corpus(corpus)]  # deterministic order
+    assert len(load_corpus(corpus, max_bytes=1)) == 1
+
+
+def test_tokenizer_round_trip_with_single_id_special_tokens(corpus, tmp_path):
+    texts = [d.text for d in load_corpus(corpus)]
+    tok = train_tokenizer(texts, vocab_size=300)
+    assert tok.get_vocab_size() <= 300
+    text = "def f(x):\n    return x  # ünïcode ✓\n"
+    assert tok.decode(tok.encode(text).ids) == text
+    marked = "<|fim_prefix|>def<|fim_suffix|>x<|fim_middle|> f(<|endoftext|>"
+    ids = tok.encode(marked).ids
+    for special in SPECIAL_TOKENS[:4]:
+        assert ids.count(tok.token_to_id(special)) == 1
+    # The saved files load through mlx-lm (as the engine does) without remote code.
+    save_tokenizer(tok, tmp_path)
+    wrapper = load_tokenizer(tmp_path)
+    assert wrapper.eos_token_ids == {tok.token_to_id("<|endoftext|>")}
+    assert wrapper.encode("<|fim_middle|>") == [tok.token_to_id("<|fim_middle|>")]
+    chat = wrapper.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                       tokenize=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_fim_transform_is_prefix_suffix_middle(corpus):
+    tok = train_tokenizer([d.text for d in load_corpus(corpus)], vocab_size=300)
+    special = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
+    text = repetitive_source(7)
+    prefix, middle, suffix = fim_split(text, random.Random(3))
+    assert prefix + middle + suffix == text and middle
+    ids = fim_ids(tok, prefix, middle, suffix)
+    enc = lambda s: tok.encode(s).ids  # noqa: E731
+    assert ids == ([special["<|fim_prefix|>"]] + enc(prefix) + [special["<|fim_suffix|>"]] + enc(suffix)
+                   + [special["<|fim_middle|>"]] + enc(middle) + [special["<|endoftext|>"]])
+    # In the packed stream about half of the pieces are FIM samples, each in PSM order.
+    texts = [repetitive_source(i) for i in range(40)]
+    stream = build_stream(tok, texts, seq_len=32, fim_rate=0.5, seed=0).tolist()
+    starts = [i for i, t in enumerate(stream) if t == special["<|fim_prefix|>"]]
+    ends = stream.count(special["<|endoftext|>"])
+    n_plain_docs = ends - len(starts)
+    assert len(starts) > 20 and n_plain_docs > 0
+    for i in starts:
+        rest = stream[i:]
+        s, m, e = (rest.index(special[n]) for n in ("<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>"))
+        assert 0 < s < m < e
+    # Deterministic for a seed; windows are resumable by position.
+    assert build_stream(tok, texts, 32, 0.5, seed=0).tolist() == stream
+    batches = Batches(np.asarray(stream), 32, 4, seed=1)
+    assert batches.get(8).shape == (4, 33)
+    assert (batches.get(8) == Batches(np.asarray(stream), 32, 4, seed=1).get(8)).all()
+
+
+def test_fast_losses_match_mlx():
+    from engine.training.model import cross_entropy, log_softmax
+
+    logits = mx.random.normal((2, 5, 300), key=mx.random.key(0)) * 4
+    targets = mx.random.randint(0, 300, (2, 5), key=mx.random.key(1))
+    import mlx.nn as nn
+
+    ours = lambda z: cross_entropy(z, targets)  # noqa: E731
+    theirs = lambda z: nn.losses.cross_entropy(z, targets).mean()  # noqa: E731
+    assert ours(logits).item() == pytest.approx(theirs(logits).item(), rel=1e-5)
+    np.testing.assert_allclose(np.array(mx.grad(ours)(logits)), np.array(mx.grad(theirs)(logits)), atol=1e-6)
+    np.testing.assert_allclose(np.array(log_softmax(logits)),
+                               np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), atol=1e-4)
+
+
+def test_loss_decreases_and_checkpoint_runs_mtp(trained):
+    out, result = trained
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == 60
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:5])
+    for part in ("trunk", "head1", "head2"):
+        assert result.history[-1][part] < result.history[0][part]
+    report = inspect_checkpoint(out)
+    assert (report.family, report.status, report.mtp_heads) == ("mimo", "supported", 2)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 2 and config["model_type"] == "mimo"
+    header_dtypes = {v.dtype for v in mx.load(str(out / "model.safetensors")).values()}
+    assert header_dtypes == {mx.bfloat16}
+    eng = Engine.load(out)
+    prompt = tuple(eng.tokenizer.encode("def add_3(x):\n"))
+    gen = eng.open(GenerationRequest(prompt=prompt, sampler=SamplerSettings(temperature=0.0), mode="mtp",
+                                     depth=2, max_tokens=24))
+    cycles = []
+    while not gen.finished:
+        cycles.append(gen.step())
+    assert len(gen.tokens) - len(prompt) == 24
+    assert any(r.drafted == 2 for r in cycles)
+    # The heads learned the repetitive corpus: most greedy drafts are accepted.
+    acceptance = measure_acceptance(eng, ["def add_3(x):\n"], depth=2, n_tokens=32)
+    print(f"acceptance per depth at temperature 0: {acceptance}")
+    assert acceptance[0] > 0.5
+
+
+def test_interrupt_leaves_a_checkpoint_and_resume_continues(corpus, tmp_path):
+    settings = dict(corpus=str(corpus), steps=8, **{**TINY, "save_every": 3})
+    straight = train_model(ModelSettings(out=str(tmp_path / "a"), **settings))
+
+    def stop_at_5(step, entry):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "b"
+    with pytest.raises(KeyboardInterrupt):
+        train_model(ModelSettings(out=str(out), **settings), callback=stop_at_5)
+    state = json.loads((out / STATE_DIR / "state.json").read_text())
+    assert state["step"] == 5 and state["data_position"] == 5 * TINY["batch"]
+    assert inspect_checkpoint(out).status == "supported"
+    Engine.load(out)  # usable as it stands
+
+    resumed = resume_training(out)
+    assert [h["step"] for h in resumed.history] == [6, 7, 8]
+    expected = {h["step"]: h["loss"] for h in straight.history}
+    for h in resumed.history:
+        assert h["loss"] == pytest.approx(expected[h["step"]], rel=1e-4)
+    a = mx.load(str(tmp_path / "a" / STATE_DIR / "weights.safetensors"))
+    b = mx.load(str(out / STATE_DIR / "weights.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(np.array(a[key]), np.array(b[key]), atol=1e-5)
+
+
+def test_time_budget_stops_with_a_checkpoint(corpus, tmp_path):
+    out = tmp_path / "budget"
+    result = train_model(ModelSettings(out=str(out), corpus=str(corpus), steps=50, max_minutes=0, **TINY))
+    assert result.step == 1
+    assert json.loads((out / STATE_DIR / "state.json").read_text())["step"] == 1
+    assert inspect_checkpoint(out).status == "supported"
+
+
+def _greedy(eng: Engine, prompt: str | tuple[int, ...], n: int, mode: str = "ar") -> list[int]:
+    ids = tuple(eng.tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+    gen = eng.open(GenerationRequest(prompt=ids, sampler=SamplerSettings(temperature=0.0), mode=mode,
+                                     depth=2, max_tokens=n))
+    while not gen.finished:
+        gen.step()
+    return gen.tokens[len(ids):]
+
+
+HEADS_TINY = dict(heads=2, seq_len=32, batch=4, lr=3e-3, save_every=1000, eval_windows=0, compile=False,
+                  progress=False)
+PROMPTS = ["def add_1(x):\n    return x + 1\n\n", "def add_7(x):\n", "def add_", "    return x + 4\n"]
+
+
+def test_heads_only_on_a_mimo_trunk(corpus, tmp_path):
+    src = write("mimo", tmp_path / "src", mtp_heads=0)
+    assert inspect_checkpoint(src).status == "ar-only"
+    out = tmp_path / "out"
+    result = train_heads(HeadsSettings(model=str(src), out=str(out), corpus=str(corpus), steps=80, **HEADS_TINY))
+    assert result.history[-1]["loss"] < 0.3 * result.history[0]["loss"]
+    report = inspect_checkpoint(out)
+    assert (report.family, report.status, report.mtp_heads) == ("mimo", "supported", 2)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert set(load_file(str(out / "mtp.safetensors"))) == {
+        k for k in load_file(str(write("mimo", tmp_path / "ref", mtp_heads=2) / "model.safetensors"))
+        if k.startswith("model.mtp_layers.")
+    }
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
+
+    eng = Engine.load(out)
+    assert _greedy(eng, PROMPTS[1], 16, "mtp") == _greedy(eng, PROMPTS[1], 16, "ar")
+    trained = measure_acceptance(eng, PROMPTS, depth=2, n_tokens=32)
+    mx.random.seed(1)
+    eng.backend.heads = [MTPLayer(eng.backend.trunk.args) for _ in eng.backend.heads]
+    untrained = measure_acceptance(eng, PROMPTS, depth=2, n_tokens=32)
+    print(f"acceptance per depth at temperature 0: trained {trained}, untrained {untrained}")
+    assert trained[0] > untrained[0] + 0.05, (trained, untrained)
+
+
+def test_heads_only_converts_qwen2_and_llama_trunks(corpus, tmp_path):
+    src = write("mimo", tmp_path / "mimo", mtp_heads=0)
+    config = json.loads((src / "config.json").read_text())
+    del config["num_nextn_predict_layers"]
+
+    qwen2 = tmp_path / "qwen2"
+    qwen2.mkdir()
+    for f in src.iterdir():
+        (qwen2 / f.name).write_bytes(f.read_bytes())
+    # Without rope_theta mlx-lm's Qwen2 uses 1e6 where its MiMo uses 1e4: the
+    # converted config must spell out what the source was run with.
+    qwen2_config = {k: v for k, v in config.items() if k != "rope_theta"}
+    (qwen2 / "config.json").write_text(json.dumps({**qwen2_config, "model_type": "qwen2",
+                                                   "architectures": ["Qwen2ForCausalLM"]}))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    for f in src.iterdir():
+        (llama / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.endswith("_proj.bias")}, str(llama / "model.safetensors"))
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama", "attention_bias": False,
+                                                   "architectures": ["LlamaForCausalLM"]}))
+
+    for trunk in (qwen2, llama):
+        assert inspect_checkpoint(trunk).status == "ar-only"
+        out = tmp_path / f"{trunk.name}-mtp"
+        train_heads(HeadsSettings(model=str(trunk), out=str(out), corpus=str(corpus), steps=3, **HEADS_TINY))
+        report = inspect_checkpoint(out)
+        assert (report.family, report.status, report.mtp_heads) == ("mimo", "supported", 2), trunk.name
+        assert (out / "model.safetensors").read_bytes() == (trunk / "model.safetensors").read_bytes()
+        new_config = json.loads((out / "config.json").read_text())
+        assert new_config["mtplxd_converted_from"] == trunk.name
+        assert new_config["rope_theta"] == (1e6 if trunk is qwen2 else 1e4)
+        # The converted trunk computes what the original computed. (Token ids:
+        # transformers picks its own Qwen2 tokenizer class for model_type qwen2.)
+        converted = Engine.load(out)
+        ids = tuple(converted.tokenizer.encode(PROMPTS[0]))
+        assert _greedy(converted, ids, 12) == _greedy(Engine.load(trunk), ids, 12)
+    assert (tmp_path / "llama-mtp" / "model-zero-bias.safetensors").is_file()
+    assert not (tmp_path / "qwen2-mtp" / "model-zero-bias.safetensors").exists()
+
+
+def test_heads_only_refuses_a_checkpoint_with_heads(corpus, tmp_path):
+    src = write("mimo", tmp_path / "src", mtp_heads=1)
+    from engine.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="already has 1 MTP head"):
+        train_heads(HeadsSettings(model=str(src), out=str(tmp_path / "out"), corpus=str(corpus), steps=1,
+                                  **HEADS_TINY))
+
+
+def test_cli_train_and_resume(corpus, tmp_path, capsys):
+    from mtplxd.cli import main
+
+    out = tmp_path / "cli"
+    args = ["train", "--out", str(out), "--corpus", str(corpus), "--vocab", "300", "--hidden", "32",
+            "--layers", "2", "--heads", "1", "--seq-len", "32", "--batch", "2", "--steps", "3", "--no-compile"]
+    assert main(args) == 0
+    assert inspect_checkpoint(out).mtp_heads == 1
+    assert main(args) == 1  # an existing run is never overwritten
+    assert "--resume" in capsys.readouterr().err
+    assert main(["train", "--out", str(out), "--resume", "--steps", "5", "--no-compile"]) == 0
+    assert json.loads((out / STATE_DIR / "state.json").read_text())["step"] == 5
