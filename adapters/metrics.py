@@ -14,12 +14,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from adapters.sessions import SessionCollector
 from mtplxd.jobs import Done, TextDelta
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Paths worth a label of their own; anything else is "other", so a scanner
 # probing random URLs cannot grow the label set without bound.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics",
+             "/v1/sessions",
+             "/mcp")
 STATES = ("loading", "ready", "failed", "stopping", "stopped")
 
 
@@ -59,6 +62,7 @@ class Metrics:
             self.observe(event)
 
         scheduler.on_event = hook
+        self.registry.register(SessionCollector(scheduler))  # session-bank counters, read at scrape time
 
     def observe(self, event: Any) -> None:
         if isinstance(event, TextDelta):

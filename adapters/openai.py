@@ -10,7 +10,10 @@
 Extensions: request fields `generation_mode` ("mtp" | "ar") and `depth`;
 responses carry `mtp` {depth, drafted, accepted, acceptance_by_depth} and
 `timings` besides `usage`. Header `X-Mtplx-Priority: interactive|normal|background`
-picks the scheduling class (default normal). Refused with a 400 rather than
+picks the scheduling class (default normal). Header `X-Mtplx-Workspace: /abs/folder`
+(or `metadata.workspace`) names the session-bank namespace; `usage.prompt_tokens_details.
+cached_tokens` says how much of the prompt it restored. GET/DELETE /v1/sessions:
+adapters/sessions.py. Refused with a 400 rather than
 ignored: n != 1, logprobs, penalties, logit_bias, non-text response_format,
 echo, best_of, non-text content parts. Tools are not implemented: `tools` is
 ignored and tool calls are never parsed out of the text.
@@ -54,6 +57,7 @@ from adapters.openai_schema import (
     ApiError, ModelInfo, TextParams, parse_chat, parse_completion, parse_embeddings, parse_json, parse_priority,
 )
 from adapters.openai_stream import Releasing, Run, Shape, collect, final, sse
+from adapters.sessions import session_routes, with_workspace
 from mtplxd.jobs import Done, Embeddings, TextDelta
 from mtplxd.scheduler import NotReady, QueueFull, Ticket
 
@@ -75,6 +79,7 @@ def create_app(scheduler: Any, settings: Any) -> Starlette:
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
+        *session_routes(scheduler),
     ]
     middleware = [  # outermost first: 401s are counted too
         Middleware(RequestCounter, metrics=metrics),
@@ -100,12 +105,14 @@ class _Api:
         body = parse_json(await request.body())
         model = self._ready_model()
         params = parse_chat(body, model, parse_priority(request.headers.get(PRIORITY_HEADER)))
+        params = with_workspace(params, request, body)
         return await self._text(request, params, Shape(model.id, chat=True))
 
     async def completions(self, request: Request) -> Any:
         body = parse_json(await request.body())
         model = self._ready_model()
         params = parse_completion(body, model, parse_priority(request.headers.get(PRIORITY_HEADER)))
+        params = with_workspace(params, request, body)
         return await self._text(request, params, Shape(model.id, chat=False))
 
     async def _text(self, request: Request, params: TextParams, shape: Shape) -> Any:

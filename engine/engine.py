@@ -20,6 +20,7 @@ from engine.backends.base import Backend
 from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
 from engine.checkpoint import CheckpointError, load_weights, read_config, text_config
 from engine.generation import Generation, GenerationRequest
+from engine.session_state import Restore
 
 
 @dataclass
@@ -47,8 +48,9 @@ class Engine:
         context = int(text_config(config).get("max_position_embeddings") or 4096)
         return cls(folder, backend, report.descriptor, load_tokenizer(folder), context)
 
-    def open(self, request: GenerationRequest) -> Generation:
-        return Generation(self.backend, request)
+    def open(self, request: GenerationRequest, restore: Restore | None = None, record: bool = False) -> Generation:
+        """`restore`: start from a session-bank snapshot; `record`: keep what `snapshot()` needs."""
+        return Generation(self.backend, request, restore=restore, record=record)
 
     def embed(self, token_ids: tuple[int, ...]) -> list[float]:
         """Mean-pooled, L2-normalised final hidden states of the trunk."""

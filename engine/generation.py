@@ -11,6 +11,19 @@ committed and its hidden-in is real; after every cycle each head cache is
 trimmed back to its real entries, so it always equals what feeding the
 committed tokens one by one would build. `_HeadState.pending` holds the real
 hidden-ins a head has not consumed yet (positions offset .. offset+n-1).
+
+Session bank (engine/session_state.py, engine/session_mlx.py). Between two
+steps the state is always consistent, so `snapshot()` may copy it out (a
+generation opened with `record=True` also keeps the trunk's hidden state of
+every position and the last logits for that). A generation opened with `restore=` starts from a
+snapshot's first `length` tokens instead of prefilling them: trunk caches are
+copied in (cut to `length` for attention-only models); the heads keep their
+stored caches when the snapshot is used whole, otherwise every head is cut back
+to one common offset c with head 0's pending inputs taken from the stored
+hidden states, which is again the state feeding one by one would build. When
+the whole prompt is restored, the first token is sampled from the stored
+logits. The random key sequence is untouched (keys are only split to sample),
+so a restored generation samples with the same keys as a cold one.
 """
 
 from __future__ import annotations
@@ -19,9 +32,20 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import mlx.core as mx
+import numpy as np
 
 from engine.backends.base import Backend, Tape
 from engine.sampling import SamplerSettings, probabilities
+from engine.session_mlx import (
+    capture_head,
+    capture_layer,
+    restore_head,
+    restore_layer,
+    supported,
+    to_device,
+    to_host,
+)
+from engine.session_state import Restore, Snapshot, SnapshotMismatch, Tensor
 from engine.speculative import sample, verify
 
 
@@ -62,7 +86,13 @@ class _HeadState:
 
 
 class Generation:
-    def __init__(self, backend: Backend, request: GenerationRequest):
+    def __init__(
+        self,
+        backend: Backend,
+        request: GenerationRequest,
+        restore: Restore | None = None,
+        record: bool = False,
+    ):
         if request.mode == "mtp" and backend.n_heads == 0:
             raise ValueError(f"{backend.family}: this checkpoint has no MTP head; use mode 'ar'")
         self.backend = backend
@@ -77,6 +107,15 @@ class Generation:
         n_used = min(request.depth, backend.n_heads) if request.mode == "mtp" else 0
         self.head_caches = backend.make_head_caches()[:n_used]
         self._heads = [_HeadState() for _ in range(n_used)]
+        self.reused = 0  # prompt tokens restored from a snapshot instead of prefilled
+        self._record = record
+        self._hidden_log: list[mx.array] = []  # trunk hidden of every fed position (record)
+        self._last_logits: Tensor | None = None  # host copy of the logits after the last fed token (record)
+        self._first_logits: mx.array | None = None  # restored whole prompt: sample the first token from these
+        self._extra_fed: list[int] = []  # fed to the trunk but cut from `tokens` by a stop or the budget
+        self._sampled = False  # the first token has been sampled
+        if restore is not None:
+            self._restore(restore.snapshot, restore.length)
 
     @property
     def finished(self) -> bool:
@@ -87,6 +126,8 @@ class Generation:
             raise RuntimeError("generation already finished")
         if self._fed < len(self.request.prompt):
             return self._prefill_chunk()
+        if self._first_logits is not None:
+            return self._first_from_restored()
         if self.request.mode == "ar":
             return self._ar_step()
         return self._mtp_cycle()
@@ -97,6 +138,8 @@ class Generation:
         self.head_caches = []
         self._heads = []
         self._logits = None
+        self._hidden_log = []
+        self._first_logits = None
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
 
@@ -108,21 +151,34 @@ class Generation:
         logits, hidden = self.backend.forward(mx.array([chunk]), self.cache)
         self._fed += len(chunk)
         self._queue_trunk_hidden(hidden)
+        self._log_hidden(hidden)
         if self._fed < len(self.request.prompt):
-            mx.eval([c.state for c in self.cache], self._heads[0].pending if self._heads else [])
+            mx.eval([c.state for c in self.cache], self._heads[0].pending if self._heads else [],
+                    self._hidden_log[-1:])
             return StepResult([], prefill_tokens=len(chunk))
-        first = sample(self._probs(logits[:, -1]), self._next_key())
+        last = logits[:, -1]
+        first = sample(self._probs(last), self._next_key())
         result = self._commit([int(first.item())])
+        self._log_logits(last)
         result.prefill_tokens = len(chunk)
         return result
+
+    def _first_from_restored(self) -> StepResult:
+        """The whole prompt came from a snapshot: sample from its stored logits."""
+        logits, self._first_logits = self._first_logits, None
+        first = sample(self._probs(logits), self._next_key())
+        return self._commit([int(first.item())])
 
     # -- plain autoregressive decoding -----------------------------------------
 
     def _ar_step(self) -> StepResult:
-        logits, _ = self.backend.forward(mx.array([[self.tokens[-1]]]), self.cache)
+        logits, hidden = self.backend.forward(mx.array([[self.tokens[-1]]]), self.cache)
         self._fed += 1
+        self._log_hidden(hidden)
         token = sample(self._probs(logits[:, -1]), self._next_key())
-        return self._commit([int(token.item())])
+        result = self._commit([int(token.item())])
+        self._log_logits(logits[:, -1])
+        return result
 
     # -- speculative cycle -----------------------------------------------------
 
@@ -142,7 +198,12 @@ class Generation:
         self._fed = T + m + 1
         self._trim_heads(T, m, offsets, head_inputs)
         self._queue_trunk_hidden(hidden[:, : m + 1])
-        result = self._commit(drafts[:m].tolist() + [int(next_token.item())])
+        self._log_hidden(hidden[:, : m + 1])
+        accepted = drafts[:m].tolist()
+        result = self._commit(accepted + [int(next_token.item())])
+        if len(self.tokens) < self._fed:  # a stop or the budget cut tokens the trunk was fed
+            self._extra_fed = (self.tokens[: T + 1] + accepted)[len(self.tokens):]
+        self._log_logits(logits[:, m])
         result.drafted = depth
         result.accepted = [i < m for i in range(depth)]
         return result
@@ -188,6 +249,110 @@ class Generation:
         if self._heads:
             self._heads[0].pending = None  # head 0 consumed every trunk hidden up to T-1
 
+    # -- session bank: snapshot and restore ----------------------------------------
+
+    @property
+    def fed_tokens(self) -> list[int]:
+        """The tokens the trunk caches hold (the committed ones, plus any a stop cut)."""
+        return (self.tokens + self._extra_fed)[: self._fed]
+
+    @property
+    def fed_count(self) -> int:
+        return self._fed
+
+    @property
+    def has_logits(self) -> bool:
+        """A snapshot now would carry the logits after its last token."""
+        return self._last_logits is not None
+
+    @property
+    def started(self) -> bool:
+        """The prompt is in the caches and the first token has been sampled."""
+        return self._sampled
+
+    def snapshot(self) -> Snapshot | None:
+        """A host copy of the caches now (between two steps). None when this generation
+        was not opened with `record=True`, is closed, holds nothing, or has caches that
+        cannot be copied out."""
+        if not self._record or not self.cache or self._fed == 0 or not supported(self.cache):
+            return None
+        n = self._fed
+        layers = [capture_layer(c, n) for c in self.cache]
+        heads = [
+            capture_head(cache, state.pending if k > 0 else None)
+            for k, (cache, state) in enumerate(zip(self.head_caches, self._heads))
+        ]
+        hidden = None
+        if self._hidden_log:
+            joined = mx.concatenate(self._hidden_log, axis=1) if len(self._hidden_log) > 1 else self._hidden_log[0]
+            self._hidden_log = [joined]
+            if joined.shape[1] != n:
+                raise SnapshotMismatch(f"hidden log holds {joined.shape[1]} positions, {n} fed")
+            hidden = to_host(joined)
+        elif self.head_caches or self.backend.n_heads:
+            return None  # a backend with heads must keep the hidden states
+        tokens = np.array(self.fed_tokens, dtype=np.int32)
+        tokens.flags.writeable = False
+        return Snapshot(tokens, layers, heads, hidden, self._last_logits)
+
+    def _restore(self, snap: Snapshot, length: int) -> None:
+        prompt = self.request.prompt
+        if not 0 < length <= min(snap.n, len(prompt)):
+            raise SnapshotMismatch(f"cannot restore {length} tokens of a {snap.n}-token snapshot")
+        if tuple(int(t) for t in snap.tokens[:length]) != tuple(prompt[:length]):
+            raise SnapshotMismatch("the snapshot's tokens are not a prefix of the prompt")
+        whole = length == snap.n
+        if not whole and not snap.trimmable:
+            raise SnapshotMismatch("recurrent state cannot be cut: only a whole snapshot restores")
+        if length == len(prompt) and not (whole and snap.logits is not None):
+            raise SnapshotMismatch("restoring the whole prompt needs the snapshot's logits")
+        cache = self.backend.make_cache()
+        if len(cache) != len(snap.layers):
+            raise SnapshotMismatch("the snapshot has a different number of layers")
+        for c, layer in zip(cache, snap.layers):
+            restore_layer(c, layer, length)
+        hidden = to_device(snap.hidden.slice_seq(1, 0, length)) if snap.hidden is not None else None
+        used = len(self._heads)
+        if used and hidden is None:
+            raise SnapshotMismatch("the heads need the snapshot's hidden states")
+        if used and whole and used <= len(snap.heads):
+            for k in range(used):  # the heads as they were
+                restore_head(self.head_caches[k], snap.heads[k], snap.heads[k].offset)
+                pending = snap.heads[k].pending
+                self._heads[k].pending = to_device(pending) if k > 0 and pending is not None else None
+            self._heads[0].pending = hidden[:, snap.heads[0].offset:]
+        elif used:
+            # One common offset c for every head: head k's entries below c read tokens
+            # before `length`, heads k >= 1 then need no pending inputs, head 0's come
+            # from the stored hidden states.
+            offsets = [snap.heads[k].offset for k in range(used)] if used <= len(snap.heads) else [0]
+            c = max(0, min(offsets + [length - used]))
+            for k in range(used):
+                if c > 0:
+                    restore_head(self.head_caches[k], snap.heads[k], c)
+                self._heads[k].pending = None
+            self._heads[0].pending = hidden[:, c:]
+        self.cache = cache
+        self._fed = length
+        self.reused = length
+        if self._record and hidden is not None:
+            self._hidden_log = [hidden]
+        if length == len(prompt):
+            self._first_logits = to_device(snap.logits)
+            self._last_logits = snap.logits
+
+    def _log_hidden(self, hidden: mx.array | None) -> None:
+        if self._record and hidden is not None:
+            self._hidden_log.append(hidden)
+            if len(self._hidden_log) >= 64:  # one array per cycle otherwise: keep the list short
+                joined = mx.concatenate(self._hidden_log, axis=1)
+                mx.eval(joined)
+                self._hidden_log = [joined]
+
+    def _log_logits(self, logits: mx.array) -> None:
+        if self._record:
+            self._last_logits = to_host(logits)
+
     # -- shared helpers --------------------------------------------------------
 
     def _queue_trunk_hidden(self, hidden: mx.array) -> None:
@@ -203,6 +368,7 @@ class Generation:
 
     def _commit(self, new_tokens: list[int]) -> StepResult:
         """Append tokens, applying stop ids and the token budget."""
+        self._sampled = True
         budget = self.request.max_tokens - self.generated
         kept: list[int] = []
         for token in new_tokens[:budget]:

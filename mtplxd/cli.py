@@ -196,116 +196,78 @@ def _duration(seconds: float | None) -> str:
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve", action="store_true",
                    help="time interactive completions alone and behind 4 normal streams, over HTTP")
-    p.add_argument("--model", metavar="PATH", help="checkpoint to serve (default: the embedded model)")
-    p.add_argument("--requests", type=int, default=20, metavar="N", help="interactive requests per phase")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--sessions", action="store_true",
+                   help="time to first token of a ~2,000-token prompt: cold, warm from RAM, warm from disk "
+                        "after a restart, and an 8-turn chat (the session bank)")
+    p.add_argument("--model", metavar="PATH", help="checkpoint (default: the embedded model)")
+    p.add_argument("--requests", type=int, default=20, metavar="N", help="--serve: interactive requests per phase")
+    p.add_argument("--prompts", type=int, default=4, metavar="N", help="held-out prompts per configuration")
+    p.add_argument("--rounds", type=int, default=3, metavar="N", help="A B A B rounds over all configurations")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens generated per run")
+    p.add_argument("--depths", default="1,2,3", metavar="K,K", help="MTP depths to compare with AR")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="also write the figures as JSON to FILE (stdout without FILE)")
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if not args.serve:
-        print("mtplxd bench: only --serve exists so far", file=sys.stderr)
-        return 2
-    from mtplxd import bench_serve
+    as_json = args.json is not None
+    if args.sessions:
+        from mtplxd import bench_sessions
 
-    return bench_serve.run(args.model, args.requests, args.json)
+        return bench_sessions.run(args.model, as_json)
+    if args.serve:
+        from mtplxd import bench_serve
 
+        return bench_serve.run(args.model, args.requests, as_json)
+    from mtplxd import bench
 
-# -- train ---------------------------------------------------------------------
-
-_TRAIN_HELP = """\
-Train a small MiMo-layout code model (trunk + MTP heads) from scratch, or, with
---heads-only, new MTP heads for an existing MiMo / Qwen2 / Llama-style
-checkpoint that has none (its trunk frozen, heads distilled from its own
-next-token distribution; the output folder is the original files plus
-mtp.safetensors and an updated config.json).
-
-Defaults (the shipped model): byte-level BPE vocab 4096, hidden 256, 10 layers
-(FFN 768, 4 attention / 2 KV heads, tied embeddings), 2 MTP heads: 10.8M
-parameters, 21.5 MB in bfloat16; seq-len 256, batch 8, 1600 steps, lr 2e-3
-(warmup, cosine decay to 10%), corpus: this Python's standard library minus
-tests and a fixed held-out list. Heads-only defaults: 2 heads, 600 steps,
-lr 1e-3, seq-len 256, batch 8.
-
-Checkpoints every --save-every steps and on Ctrl-C; --resume continues from
-the last one (data order, optimizer state and schedule included). Progress,
-losses and held-out metrics: <out>/train_state/log.jsonl.
-"""
+    depths = [int(d) for d in args.depths.split(",") if d.strip()]
+    return bench.run(args.model, args.prompts, args.rounds, args.max_tokens, depths, args.json)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.description = _TRAIN_HELP
-    p.add_argument("--out", metavar="DIR", required=True, help="output checkpoint folder")
-    p.add_argument("--corpus", metavar="DIR", help="folder of *.py files (default: the standard library)")
-    p.add_argument("--max-corpus-mb", metavar="MB", type=float, help="cap the corpus size (default: all)")
-    p.add_argument("--heads-only", action="store_true", help="train MTP heads for --model, trunk frozen")
-    p.add_argument("--model", metavar="PATH", help="checkpoint to add heads to (with --heads-only)")
-    p.add_argument("--vocab", metavar="N", type=int, help="tokenizer vocabulary (default 4096)")
-    p.add_argument("--layers", metavar="N", type=int, help="trunk layers (default 10)")
-    p.add_argument("--hidden", metavar="N", type=int, help="hidden size (default 256)")
-    p.add_argument("--heads", metavar="N", type=int, help="MTP heads (default 2)")
-    p.add_argument("--steps", metavar="N", type=int, help="optimizer steps (default 1600; heads-only 600)")
-    p.add_argument("--seq-len", metavar="N", type=int, help="tokens per sequence (default 256)")
-    p.add_argument("--batch", metavar="N", type=int, help="sequences per step (default 8)")
-    p.add_argument("--lr", metavar="X", type=float, help="peak learning rate (default 2e-3; heads-only 1e-3)")
-    p.add_argument("--seed", metavar="S", type=int, help="seed for init, FIM and data order (default 0)")
-    p.add_argument("--save-every", metavar="N", type=int, help="checkpoint interval in steps (default 100)")
-    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    p.add_argument("--no-compile", action="store_true", help="do not mx.compile the training step")
+    from mtplxd import train_cmd
+
+    train_cmd.add_arguments(p)
 
 
 def _train(args: argparse.Namespace) -> int:
-    import engine  # noqa: F401  (the fast BLAS before MLX)
-    from engine import train
-    from engine.checkpoint import CheckpointError
+    from mtplxd import train_cmd
 
-    given = {
-        "corpus": args.corpus, "vocab": args.vocab, "layers": args.layers, "hidden": args.hidden,
-        "heads": args.heads, "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
-        "lr": args.lr, "seed": args.seed, "save_every": args.save_every,
-        "max_corpus_bytes": int(args.max_corpus_mb * 1e6) if args.max_corpus_mb else None,
-    }
-    given = {k: v for k, v in given.items() if v is not None}
-    if args.no_compile:
-        given["compile"] = False
-    try:
-        if args.resume:
-            ignored = sorted(set(given) - set(train.RESUMABLE))
-            if ignored or args.model:
-                print(f"mtplxd: --resume continues the saved run; ignoring "
-                      f"{', '.join('--' + k.replace('_', '-') for k in ignored + (['model'] if args.model else []))}",
-                      file=sys.stderr)
-            result = train.resume_training(args.out, **{k: v for k, v in given.items() if k in train.RESUMABLE})
-        elif args.heads_only:
-            if not args.model:
-                print("mtplxd: --heads-only needs --model PATH", file=sys.stderr)
-                return 2
-            wrong = sorted({"vocab", "layers", "hidden"} & set(given))
-            if wrong:
-                print(f"mtplxd: --heads-only keeps the model's trunk; drop --{', --'.join(wrong)}", file=sys.stderr)
-                return 2
-            result = train.train_heads(train.HeadsSettings(model=args.model, out=args.out, **given))
-        else:
-            if args.model:
-                print("mtplxd: --model is for --heads-only", file=sys.stderr)
-                return 2
-            result = train.train_model(train.ModelSettings(out=args.out, **given))
-    except KeyboardInterrupt:
-        print(f"mtplxd: interrupted; the last checkpoint is in {args.out} "
-              f"(continue with: mtplxd train --out {args.out} --resume)", file=sys.stderr)
-        return 130
-    except (OSError, ValueError, CheckpointError) as e:
-        print(f"mtplxd: {e}", file=sys.stderr)
-        return 1
-    last = result.evals[-1] if result.evals else {}
-    extra = "".join(f", {k} {v:.3f}" for k, v in last.items() if k != "step")
-    print(f"trained {result.step}/{result.steps} steps at {result.tokens_per_s:,.0f} tokens/s{extra}; "
-          f"checkpoint: {result.out}")
-    return 0
+    return train_cmd.run(args)
+
+
+def _lsp_args(p: argparse.ArgumentParser) -> None:
+    from mtplxd import lsp_bridge
+
+    lsp_bridge.add_arguments(p)
+
+
+def _lsp(args: argparse.Namespace) -> int:
+    from mtplxd import lsp_bridge
+
+    return lsp_bridge.run(args.state_dir, args.model)
+
+
+def _mcp_args(p: argparse.ArgumentParser) -> None:
+    from mtplxd import mcp_shim  # standard library only at import: the parser stays fast
+
+    mcp_shim.add_arguments(p)
+
+
+def _mcp(args: argparse.Namespace) -> int:
+    from mtplxd import mcp_shim
+
+    return mcp_shim.main(args)
 
 
 COMMANDS: dict[str, Command] = {
-    "bench": Command("benchmarks: --serve times interactive requests under load", _bench_args, _bench),
+    "bench": Command(
+        "AR against MTP at depths 1..3 on held-out code (decode tok/s, acceptance, speedup); "
+        "--serve: interactive latency under load; --sessions: the session bank",
+        _bench_args,
+        _bench,
+    ),
     "start": Command(
         "start the daemon (foreground unless --detach)",
         _start_args,
@@ -333,7 +295,16 @@ COMMANDS: dict[str, Command] = {
         _train_args,
         _train,
     ),
-    # "lsp", "mcp", "bench": added here.
+    "lsp": Command(
+        "language server for editors on stdio: bridges to the daemon, starting it if none runs",
+        _lsp_args,
+        _lsp,
+    ),
+    "mcp": Command(
+        "MCP server for coding agents on stdio: forwards to the daemon, starting it if none runs",
+        _mcp_args,
+        _mcp,
+    ),
 }
 
 

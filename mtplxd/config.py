@@ -81,6 +81,12 @@ class Settings:
     max_queued: int = 64
     interactive_reserve: int = 2
     log_level: str = "info"
+    # Session bank (engine/session_bank.py). Bytes; None: a default from the machine.
+    session_ram_bytes: int | None = None  # None: 1/8 of physical memory (at most 32 GiB); 0: no bank
+    session_disk_bytes: int | None = None  # None: 8 GiB or 1/4 of the free disk, the smaller; 0: RAM only
+    session_write_delay_ms: int = 2000  # a new entry waits this long before its background write
+    session_write_bps: int = 0  # cap on background write speed, bytes/s (0: none)
+    watch_workspaces: int = 8  # workspaces watched for changed files at once (0: none)
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host: must not be empty")
@@ -92,6 +98,10 @@ class Settings:
             self.interactive_reserve >= 0,
             f"interactive_reserve: must not be negative, got {self.interactive_reserve}",
         )
+        for name in ("session_ram_bytes", "session_disk_bytes", "session_write_delay_ms", "session_write_bps",
+                     "watch_workspaces"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, f"{name}: must not be negative, got {value}")
         _check(
             self.log_level in LOG_LEVELS,
             f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}",
@@ -141,6 +151,11 @@ _KINDS = {
     "max_queued": "int",
     "interactive_reserve": "int",
     "log_level": "str",
+    "session_ram_bytes": "int?",
+    "session_disk_bytes": "int?",
+    "session_write_delay_ms": "int",
+    "session_write_bps": "int",
+    "watch_workspaces": "int",
 }
 assert set(_KINDS) == {f.name for f in fields(Settings)}
 

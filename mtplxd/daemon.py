@@ -31,11 +31,13 @@ from mtplxd import client
 from mtplxd.client import prepare_state_dir
 from mtplxd.config import Settings
 from mtplxd.scheduler import Scheduler, SchedulerLimits
+from mtplxd.workspaces import WorkspaceRegistry, open_bank
 
 log = logging.getLogger("mtplxd.daemon")
 
 GRACEFUL_SHUTDOWN_S = 5  # open HTTP streams get this long to finish after a signal
 LOADER_GRACE_S = 5  # a model load cannot be interrupted: wait this long, then abandon it
+SESSION_FLUSH_S = 20  # on shutdown, pending session-bank writes get this long
 
 
 class AlreadyRunning(Exception):
@@ -79,7 +81,11 @@ class Daemon:
             max_queued=settings.max_queued,
             default_depth=settings.depth,
         )
-        self.scheduler = Scheduler(load_engine or partial(load_model, settings.model_path), limits)
+        self.scheduler = Scheduler(load_engine or partial(load_model, settings.model_path), limits,
+                                   bank=open_bank(settings))  # <state_dir>/sessions, flushed on shutdown
+        self.workspaces = WorkspaceRegistry(self.scheduler, settings.watch_workspaces, ignore=(settings.state_dir,))
+        self.scheduler.workspaces = self.workspaces
+        self.scheduler.on_workspace = self.workspaces.register
         self.server: uvicorn.Server | None = None
         self.port: int | None = None  # the port actually bound, once listening
 
@@ -100,10 +106,14 @@ class Daemon:
             self.server.should_exit = True
 
     async def _serve_locked(self) -> None:
+        from adapters import mcp
+        from adapters.lsp_transport import serve_lsp
         from adapters.openai import create_app  # after the lock: a refused start stays cheap
 
+        app = create_app(self.scheduler, self.settings)
+        mcp.mount(app, self.scheduler, self.settings)  # /mcp: same port and API key (MCP in its lifespan)
         config = uvicorn.Config(
-            create_app(self.scheduler, self.settings),
+            app,
             host=self.settings.host,
             port=self.settings.port,
             log_config=None,  # our handlers (setup_logging) receive uvicorn's records
@@ -118,6 +128,8 @@ class Daemon:
             tg.start_soon(self._run_scheduler, scheduler_done)
             tg.start_soon(self._report_load)
             tg.start_soon(self._publish_address)
+            tg.start_soon(serve_lsp, self.scheduler, self.settings)  # <state_dir>/lsp.sock for editors
+            tg.start_soon(self.workspaces.run)  # watches workspaces, warms changed files
             try:
                 await self.server.serve()
             except SystemExit:  # uvicorn's way of saying it could not start
@@ -126,9 +138,19 @@ class Daemon:
                 self.shutdown()
                 with anyio.move_on_after(LOADER_GRACE_S, shield=True):
                     await scheduler_done.wait()
+                await self._flush_sessions()
                 tg.cancel_scope.cancel()
         if server_failed:
             raise ServerFailed(f"could not serve HTTP on {self.settings.host}:{self.settings.port}")
+
+    async def _flush_sessions(self) -> None:
+        """Write the session bank's pending entries to disk (bounded) before exiting."""
+        bank = self.scheduler.bank
+        if bank is None:
+            return
+        with anyio.move_on_after(SESSION_FLUSH_S + 2, shield=True):
+            if not await anyio.to_thread.run_sync(bank.close, SESSION_FLUSH_S, abandon_on_cancel=True):
+                log.warning("session bank: some entries were not written within %d s", SESSION_FLUSH_S)
 
     async def _run_scheduler(self, done: anyio.Event) -> None:
         try:

@@ -4,10 +4,19 @@ A `TextJob` turns engine steps into `TextDelta` events (incrementally
 detokenized, never splitting a UTF-8 character, never emitting part of a
 stop string) and ends with one `Done`. An `EmbedJob` pools hidden states.
 Both run one short step at a time on the engine worker thread.
+
+Session bank (engine/session_bank.py): a `TextJob` looks up the longest cached
+prefix of its prompt in its workspace before the first step and restores it
+instead of prefilling it (`Usage.cached_tokens`); it offers a snapshot once its
+prompt is in the caches (at its second step, after the first token went out) and
+another when it closes (end of generation, or cancellation). A `WarmJob`
+(background warm-up) only prefills and offers snapshots.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -16,6 +25,10 @@ from typing import Literal
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
 from engine.sampling import SamplerSettings
+from engine.session_bank import SessionBank
+from engine.session_state import SnapshotMismatch
+
+log = logging.getLogger("mtplxd.jobs")
 
 
 class Priority(IntEnum):
@@ -36,6 +49,16 @@ class TextRequest:
     priority: Priority = Priority.NORMAL
     ignore_eos: bool = False  # benchmarks: fixed-length outputs
     workspace: str | None = None  # absolute folder: the session-bank namespace (None: default)
+
+
+@dataclass(frozen=True)
+class WarmRequest:
+    """Prefill `prompt_ids` into the session bank (a file that changed on disk)."""
+
+    prompt_ids: tuple[int, ...]
+    workspace: str | None = None
+    priority: Priority = Priority.BACKGROUND
+    label: str = ""  # what is being warmed (a file path), for logs
 
 
 @dataclass(frozen=True)
@@ -101,12 +124,19 @@ class Embeddings:
 
 
 @dataclass(frozen=True)
+class Warmed:
+    prompt_tokens: int
+    cached_tokens: int  # already in the bank before the warm-up
+    stored: int  # snapshots the warm-up added
+
+
+@dataclass(frozen=True)
 class Failed:
     message: str
     kind: Literal["shutdown", "internal", "invalid"] = "internal"
 
 
-Event = TextDelta | Done | Embeddings | Failed
+Event = TextDelta | Done | Embeddings | Warmed | Failed
 
 
 # -- jobs ------------------------------------------------------------------------
@@ -150,12 +180,62 @@ def special_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
 
 
+def open_generation(engine: Engine, request: GenerationRequest, bank: SessionBank | None,
+                    workspace: str | None) -> Generation:
+    """Open a generation, restored from the bank's longest prefix of the prompt when it
+    has one. A snapshot that does not fit is a miss, never an error."""
+    if bank is None:
+        return engine.open(request)
+    try:
+        restore = bank.lookup(workspace, request.prompt)
+    except Exception:  # the bank must never fail a request
+        log.exception("session bank lookup failed")
+        restore = None
+    if restore is not None:
+        try:
+            return engine.open(request, restore=restore, record=True)
+        except SnapshotMismatch as e:
+            log.warning("session snapshot not used: %s", e)
+    return engine.open(request, record=True)
+
+
+# A text job offers a snapshot only when it fed at least this many tokens beyond what it
+# restored: copying the whole cache out for a handful of new tokens (a keystroke's
+# completion, a cancelled request) would cost more than it could save.
+MIN_NEW_TOKENS = 32
+
+
+def offer_snapshot(bank: SessionBank | None, workspace: str | None, generation: Generation,
+                   min_new: int = 0) -> bool:
+    """Copy the generation's caches into the bank unless the bank already covers them."""
+    if bank is None:
+        return False
+    if generation.reused and generation.fed_count - generation.reused < min_new:
+        return False
+    try:
+        tokens = generation.fed_tokens
+        if not tokens or not bank.wants(workspace, tokens, logits=generation.has_logits):
+            return False
+        return bank.add(workspace, generation.snapshot())
+    except Exception:
+        log.exception("session snapshot failed")
+        return False
+
+
+def _bank(bank: SessionBank | None) -> SessionBank | None:
+    return bank if bank is not None and bank.enabled else None
+
+
 class TextJob:
-    def __init__(self, request: TextRequest, engine: Engine, default_depth: int, seed: int):
+    def __init__(self, request: TextRequest, engine: Engine, default_depth: int, seed: int,
+                 bank: SessionBank | None = None):
+        self.started = time.perf_counter()  # time to first token counts the bank lookup and restore
         self.request = request
         depth = request.depth or default_depth
         mode = request.mode if engine.backend.n_heads else "ar"
-        self.generation: Generation = engine.open(
+        self.bank = _bank(bank)
+        self.generation: Generation = open_generation(
+            engine,
             GenerationRequest(
                 prompt=request.prompt_ids,
                 sampler=request.sampler,
@@ -164,19 +244,30 @@ class TextJob:
                 seed=seed,
                 max_tokens=request.max_tokens,
                 stop_token_ids=frozenset() if request.ignore_eos else frozenset(engine.tokenizer.eos_token_ids),
-            )
+            ),
+            self.bank,
+            request.workspace,
         )
+        self.cached_tokens = self.generation.reused
+        self._prompt_snapshot_due = self.bank is not None
+        self._broken = False  # a step raised: the caches may be half-updated
         self.detokenizer = engine.tokenizer.detokenizer
         # Control tokens (chat and FIM markers) are never part of the text.
         self.hidden_ids = special_token_ids(engine.tokenizer)
         self.stops = StopMatcher(request.stop)
         self.mtp = MTPStats(depth=depth if mode == "mtp" else 0)
-        self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.finished = False
 
     def step(self) -> list[Event]:
-        result = self.generation.step()
+        if self._prompt_snapshot_due and self.generation.started:
+            self._prompt_snapshot_due = False  # end of prompt, after the first token went out
+            offer_snapshot(self.bank, self.request.workspace, self.generation, MIN_NEW_TOKENS)
+        try:
+            result = self.generation.step()
+        except BaseException:
+            self._broken = True
+            raise
         self.mtp.add(result.accepted)
         if result.tokens and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
@@ -204,14 +295,69 @@ class TextJob:
         decode_s = now - first
         return Done(
             finish_reason=reason,
-            usage=Usage(len(self.request.prompt_ids), generated),
+            usage=Usage(len(self.request.prompt_ids), generated, self.cached_tokens),
             mtp=self.mtp,
             time_to_first_token_s=first - self.started,
             decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
         )
 
     def close(self) -> None:
+        if not self._broken:  # end of generation, or cancelled between two steps
+            offer_snapshot(self.bank, self.request.workspace, self.generation, MIN_NEW_TOKENS)
         self.generation.close()
+
+
+class WarmJob:
+    """Prefill a prompt into the session bank at background priority; no text.
+
+    Hybrid models only reuse whole snapshots, so a warm-up of one also keeps up to
+    CHECKPOINTS evenly spaced ones at prefill chunk boundaries (a completion
+    anywhere in the file then starts from the last one before its cursor)."""
+
+    CHECKPOINTS = 8
+
+    def __init__(self, request: WarmRequest, engine: Engine, bank: SessionBank | None, prefill_chunk: int = 512):
+        self.request = request
+        self.bank = _bank(bank)
+        self.finished = False
+        self.stored = 0
+        self.generation: Generation | None = None
+        if self.bank is None or not self.bank.wants(request.workspace, request.prompt_ids):
+            return  # nothing to do (no bank, or already warm)
+        self.generation = open_generation(
+            engine,
+            GenerationRequest(prompt=request.prompt_ids, mode="ar", max_tokens=1, prefill_chunk=prefill_chunk),
+            self.bank,
+            request.workspace,
+        )
+        chunks = math.ceil(len(request.prompt_ids) / prefill_chunk)
+        self.every = 0 if self.bank.trimmable else prefill_chunk * max(1, math.ceil(chunks / self.CHECKPOINTS))
+        self._broken = False
+
+    def step(self) -> list[Event]:
+        gen = self.generation
+        if gen is None:
+            self.finished = True
+            n = len(self.request.prompt_ids)
+            return [Warmed(n, n if self.bank is not None else 0, 0)]
+        try:
+            gen.step()
+        except BaseException:
+            self._broken = True
+            raise
+        if gen.started:
+            self.stored += offer_snapshot(self.bank, self.request.workspace, gen)
+            self.finished = True
+            return [Warmed(len(self.request.prompt_ids), gen.reused, self.stored)]
+        if self.every and gen.fed_count % self.every == 0:
+            self.stored += offer_snapshot(self.bank, self.request.workspace, gen)
+        return []
+
+    def close(self) -> None:
+        if self.generation is not None:
+            if not self._broken and not self.finished:
+                offer_snapshot(self.bank, self.request.workspace, self.generation)
+            self.generation.close()
 
 
 class EmbedJob:

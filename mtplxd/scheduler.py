@@ -7,11 +7,18 @@ priority class first, round-robin inside a class, so a long generation
 cannot starve a short one. A cancelled job (client gone, superseded) is
 closed before the next step. Admission control bounds open generations and
 queued jobs; beyond the bound `submit` raises `QueueFull`.
+
+The session bank (optional) is bound to the model on the worker thread once it
+has loaded; text jobs look up and offer snapshots there, warm-up jobs
+(`WarmRequest`, background class) fill it. `on_workspace` is told (on the event
+loop) of every workspace a text request names, so the workspace registry can
+watch it.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
 import threading
@@ -33,7 +40,11 @@ from mtplxd.jobs import (
     Priority,
     TextJob,
     TextRequest,
+    WarmJob,
+    WarmRequest,
 )
+
+log = logging.getLogger("mtplxd.scheduler")
 
 
 class QueueFull(Exception):
@@ -86,17 +97,21 @@ class Ticket:
 @dataclass(eq=False)
 class _Entry:
     id: int
-    request: TextRequest | EmbedRequest
+    request: TextRequest | EmbedRequest | WarmRequest
     send: MemoryObjectSendStream
     submitted: float = field(default_factory=time.perf_counter)
-    job: TextJob | EmbedJob | None = None
+    job: TextJob | EmbedJob | WarmJob | None = None
     cancelled: bool = False
 
 
 class Scheduler:
-    def __init__(self, load_engine: Callable[[], object], limits: SchedulerLimits = SchedulerLimits()):
+    def __init__(self, load_engine: Callable[[], object], limits: SchedulerLimits = SchedulerLimits(),
+                 bank: object | None = None):
         self._load_engine = load_engine
         self.limits = limits
+        self.bank = bank  # an engine.session_bank.SessionBank, bound once the model has loaded
+        self.workspaces = None  # the daemon's workspace registry (mtplxd/workspaces.py), if any
+        self.on_workspace: Callable[[str], None] | None = None
         self.engine = None
         self.state: Literal["loading", "ready", "failed", "stopping", "stopped"] = "loading"
         self.load_error: str | None = None
@@ -114,7 +129,7 @@ class Scheduler:
         limiter = anyio.CapacityLimiter(1)
         await anyio.to_thread.run_sync(self._worker, limiter=limiter, abandon_on_cancel=True)
 
-    def submit(self, request: TextRequest | EmbedRequest) -> Ticket:
+    def submit(self, request: TextRequest | EmbedRequest | WarmRequest) -> Ticket:
         if self.state == "failed":
             raise NotReady(f"model failed to load: {self.load_error}")
         if self.state in ("stopping", "stopped"):
@@ -127,6 +142,12 @@ class Scheduler:
             entry = _Entry(next(self._ids), request, send)
             self._queues[request.priority].append(entry)
             self._cond.notify()
+        workspace = getattr(request, "workspace", None)
+        if workspace and isinstance(request, TextRequest) and self.on_workspace is not None:
+            try:
+                self.on_workspace(workspace)
+            except Exception:  # watching is a convenience: never fail the request
+                log.exception("could not register workspace %s", workspace)
         return Ticket(entry.id, receive, lambda: self._cancel(entry))
 
     def stop(self) -> None:
@@ -157,6 +178,7 @@ class Scheduler:
     def _worker(self) -> None:
         try:
             self.engine = self._load_engine()
+            self._attach_bank()
             if self.state == "loading":
                 self.state = "ready"
         except Exception as e:  # reported through /health and every submit
@@ -169,16 +191,36 @@ class Scheduler:
         self.state = "stopped"
         self._fail_all("the daemon is shutting down", "shutdown")
 
+    def _attach_bank(self) -> None:
+        """Bind the session bank to the loaded model (fingerprint, layout, disk tier)."""
+        if self.bank is None:
+            return
+        try:
+            from engine.session_mlx import describe
+
+            key = describe(self.engine)
+            if key is None:
+                log.info("session bank off: this model's caches cannot be snapshotted")
+                return
+            self.bank.attach(key)
+        except Exception as e:  # a model without the usual engine surface, a broken disk: run without
+            log.warning("session bank off: %s: %s", type(e).__name__, e)
+
     def _next_entry(self) -> _Entry | None:
         """Block until there is a job to step; None once stopping."""
-        with self._cond:
-            while not self._stopping:
-                self._drop_cancelled()
-                entry = self._pick()
-                if entry is not None:
-                    return entry
-                self._cond.wait()
-            return None
+        while True:
+            with self._cond:
+                closing = self._drop_cancelled()
+                if not closing:
+                    if self._stopping:
+                        return None
+                    entry = self._pick()
+                    if entry is not None:
+                        return entry
+                    self._cond.wait()
+                    continue
+            for job in closing:  # outside the lock: closing offers a snapshot to the bank
+                job.close()
 
     def _pick(self) -> _Entry | None:
         """Class order, round-robin inside a class; a new job needs a free slot."""
@@ -199,13 +241,16 @@ class Scheduler:
     def _active_count(self) -> int:
         return sum(e.job is not None for q in self._queues.values() for e in q)
 
-    def _drop_cancelled(self) -> None:
+    def _drop_cancelled(self) -> list:
+        """Unqueue cancelled entries; returns their jobs for the caller to close."""
+        jobs = []
         for queue in self._queues.values():
             for entry in [e for e in queue if e.cancelled]:
                 queue.remove(entry)
                 if entry.job is not None:
-                    entry.job.close()
+                    jobs.append(entry.job)
                 self.cancelled += 1
+        return jobs
 
     def _advance(self, entry: _Entry) -> None:
         """One engine step of one job, outside the lock."""
@@ -224,11 +269,13 @@ class Scheduler:
         if finished:
             self._finish(entry)
 
-    def _start(self, request: TextRequest | EmbedRequest) -> TextJob | EmbedJob:
+    def _start(self, request: TextRequest | EmbedRequest | WarmRequest) -> TextJob | EmbedJob | WarmJob:
         if isinstance(request, EmbedRequest):
             return EmbedJob(request, self.engine)
+        if isinstance(request, WarmRequest):
+            return WarmJob(request, self.engine, self.bank)
         seed = request.seed if request.seed is not None else random.getrandbits(31)
-        return TextJob(request, self.engine, self.limits.default_depth, seed)
+        return TextJob(request, self.engine, self.limits.default_depth, seed, self.bank)
 
     def _deliver(self, entry: _Entry, event: Event) -> None:
         if self.on_event is not None:

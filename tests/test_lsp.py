@@ -1,0 +1,422 @@
+"""The LSP adapter through pygls' real `LanguageClient`, spawning `mtplxd lsp` over stdio.
+
+The first `mtplxd lsp` of the module starts the daemon itself (as an editor's
+would), on a temporary state dir and a tiny MiMo checkpoint passed by environment
+(MTPLXD_HOME, MTPLXD_MODEL, MTPLXD_PORT=0); every later client shares it. The
+post-processing rules, settings and prompts are also tested directly, without a
+daemon, at the end of the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from lsprotocol import types
+from pygls.exceptions import JsonRpcException
+from pygls.lsp.client import LanguageClient
+
+from adapters.lsp_documents import ContextDocument, Options, PromptBuilder, snapshot, workspace_of
+from adapters.lsp_engine import snippet_text
+from adapters.lsp_postprocess import (
+    Cursor, TypeAheadCache, automatic_allowed, detect_indent_unit, finalize, suffix_start, trim,
+)
+from mtplxd import client as daemon_client
+from tests.checkpoints import write
+from tests.daemon_fixture import daemon_env, mtplxd_command
+
+CANCELLED, CONTENT_MODIFIED, INVALID_PARAMS, METHOD_NOT_FOUND = -32800, -32801, -32602, -32601
+INVOKED, AUTOMATIC = types.InlineCompletionTriggerKind.Invoked, types.InlineCompletionTriggerKind.Automatic
+SOURCE = "def add(a, b):\n    return \n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write("mimo", tmp_path_factory.mktemp("ck") / "mimo", mtp_heads=1)
+
+
+@pytest.fixture(scope="module")
+def lsp_env(checkpoint, tmp_path_factory):
+    """The environment an editor would give `mtplxd lsp`; stops the daemon it starts."""
+    state = tmp_path_factory.mktemp("lsp-state")
+    yield daemon_env({"MTPLXD_HOME": str(state), "MTPLXD_MODEL": str(checkpoint), "MTPLXD_PORT": "0"})
+    daemon_client.stop(state)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+def folders(tmp_path) -> dict[str, Path]:
+    out = {}
+    for name in ("a", "b", "c"):
+        out[name] = tmp_path / f"ws-{name}"
+        out[name].mkdir()
+    return out
+
+
+@asynccontextmanager
+async def lsp(env: dict, *folders: Path, inline: bool = True, options: dict | None = None,
+              encodings: list[str] | None = None):
+    """A client spawned as editors spawn us: yields (client, InitializeResult)."""
+    client = LanguageClient("mtplxd-tests", "1")
+    await client.start_io(*mtplxd_command(), "lsp", env=env)
+    text = types.TextDocumentClientCapabilities(
+        synchronization=types.TextDocumentSyncClientCapabilities(),
+        inline_completion=types.InlineCompletionClientCapabilities() if inline else None,
+        completion=None if inline else types.CompletionClientCapabilities(),
+    )
+    capabilities = types.ClientCapabilities(
+        text_document=text,
+        workspace=types.WorkspaceClientCapabilities(workspace_folders=True, configuration=True),
+        general=types.GeneralClientCapabilities(position_encodings=encodings) if encodings else None,
+    )
+    try:
+        result = await asyncio.wait_for(client.initialize_async(types.InitializeParams(
+            capabilities=capabilities, initialization_options=options,
+            workspace_folders=[types.WorkspaceFolder(f.as_uri(), f.name) for f in folders],
+        )), 60)
+        client.initialized(types.InitializedParams())
+        yield client, result
+        await asyncio.wait_for(client.shutdown_async(None), 10)
+        client.exit(None)
+        await asyncio.wait_for(client._server.wait(), 10)  # the bridge ends with the connection
+    finally:
+        if client._server is not None and client._server.returncode is None:
+            client._server.kill()
+        await client.stop()
+
+
+def open_doc(client, path: Path, text: str, version: int = 1) -> str:
+    uri = path.as_uri()
+    client.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", version, text)))
+    return uri
+
+
+def edit(client, uri: str, version: int, line: int, character: int, text: str, end: tuple | None = None) -> None:
+    start = types.Position(line, character)
+    stop = types.Position(*end) if end else start
+    change = types.TextDocumentContentChangePartial(range=types.Range(start, stop), text=text)
+    client.text_document_did_change(types.DidChangeTextDocumentParams(
+        types.VersionedTextDocumentIdentifier(version=version, uri=uri), [change]))
+
+
+def inline(client, uri: str, line: int, character: int, kind=INVOKED, msg_id: str | None = None):
+    params = types.InlineCompletionParams(
+        context=types.InlineCompletionContext(trigger_kind=kind),
+        text_document=types.TextDocumentIdentifier(uri), position=types.Position(line, character))
+    return client.protocol.send_request_async(types.TEXT_DOCUMENT_INLINE_COMPLETION, params, msg_id=msg_id)
+
+
+async def texts(client, uri: str, line: int, character: int, kind=INVOKED) -> list[str]:
+    result = await asyncio.wait_for(inline(client, uri, line, character, kind), 30)
+    return [item.insert_text for item in result.items]
+
+
+async def status(client, uri: str | None = None) -> dict:
+    return await asyncio.wait_for(client.workspace_execute_command_async(
+        types.ExecuteCommandParams("mtplxd.status", [uri] if uri else None)), 10)
+
+
+async def wait_for(client, check, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        report = await status(client)
+        if check(report) or time.monotonic() > deadline:
+            return report
+        await asyncio.sleep(0.02)
+
+
+async def error_code(awaitable) -> int:
+    with pytest.raises(JsonRpcException) as caught:
+        await asyncio.wait_for(awaitable, 30)
+    return caught.value.code
+
+
+def idle(report: dict) -> bool:
+    queue = report["scheduler"]
+    return queue["active"] == 0 and not any(queue["queued_by_class"].values())
+
+
+# -- through the real client ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_initialize_sync_and_inline_completion(lsp_env, folders):
+    async with lsp(lsp_env, folders["a"]) as (client, init):
+        caps = init.capabilities
+        assert caps.inline_completion_provider is not None and caps.completion_provider is None
+        assert caps.text_document_sync.change == types.TextDocumentSyncKind.Incremental
+        assert caps.position_encoding == types.PositionEncodingKind.Utf16
+        state = Path(lsp_env["MTPLXD_HOME"])
+        assert daemon_client.owner_pid(state) is not None  # `mtplxd lsp` started it
+        assert (state / "lsp.sock").stat().st_mode & 0o777 == 0o600
+
+        uri = open_doc(client, folders["a"] / "m.py", "def add(a, b):\n")
+        edit(client, uri, 2, 1, 0, "    return \n")  # incremental: the line exists only after the edit
+        end_of_line = await texts(client, uri, 1, 11)
+        assert len(end_of_line) == 1 and end_of_line[0].strip()
+        assert not any(not line.strip() for line in end_of_line[0].split("\n")[1:]), "stops at a blank line"
+        [mid_line] = await texts(client, uri, 0, 8)  # before "add(a, b):": completes this line only
+        assert mid_line.strip() and "\n" not in mid_line
+        assert await texts(client, uri, 0, 4, AUTOMATIC) == []  # 9 characters right of the cursor
+        report = await status(client, uri)
+        assert report["connection"]["skipped"] == 1 and report["connection"]["jobs_started"] == 2
+        assert report["document"] == {"uri": uri, "open": True, "version": 2, "workspace": str(folders["a"])}
+
+        client.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri)))
+        assert await error_code(inline(client, uri, 0, 0)) == INVALID_PARAMS
+
+
+@pytest.mark.anyio
+async def test_completion_fallback_without_inline_capability(lsp_env, folders):
+    async with lsp(lsp_env, folders["a"], inline=False) as (client, init):
+        assert init.capabilities.inline_completion_provider is None
+        assert init.capabilities.completion_provider is not None
+        uri = open_doc(client, folders["a"] / "f.py", SOURCE)
+        position = types.Position(1, 11)
+        result = await asyncio.wait_for(client.text_document_completion_async(types.CompletionParams(
+            text_document=types.TextDocumentIdentifier(uri), position=position)), 30)
+        [item] = result.items
+        assert item.text_edit.range == types.Range(position, position) and item.text_edit.new_text.strip()
+        assert item.insert_text_format == types.InsertTextFormat.PlainText  # no snippet support declared
+        assert result.is_incomplete  # re-asked as the user types
+
+
+@pytest.mark.anyio
+async def test_storm_of_requests_only_the_newest_is_answered(lsp_env, folders):
+    async with lsp(lsp_env, folders["a"]) as (client, _):
+        uri = open_doc(client, folders["a"] / "storm.py", "def add(a, b):\n    ")
+        typed = "total = sum(x for x in range(10) if x % 2 == 0) + 1"
+        futures = []
+        for i in range(50):  # one keystroke, one automatic request, 50 times, as fast as we can
+            edit(client, uri, i + 2, 1, 4 + i, typed[i])
+            futures.append(inline(client, uri, 1, 5 + i, AUTOMATIC))
+        results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 60)
+        *older, newest = results
+        assert not isinstance(newest, Exception) and newest.items and newest.items[0].insert_text.strip()
+        assert all(isinstance(r, JsonRpcException) and r.code == CANCELLED for r in older), older
+        report = await wait_for(client, idle)
+        assert idle(report) and report["pending"] == 0
+        assert report["connection"]["cancelled"] == 49 and report["connection"]["answered"] == 1
+        jobs = report["connection"]
+        assert jobs["jobs_completed"] == 1 and jobs["jobs_started"] == 1 + jobs["jobs_cancelled"], jobs
+        assert jobs["jobs_started"] < 25, jobs  # the debounce kept the engine out of most of it
+
+
+@pytest.mark.anyio
+async def test_edit_or_cancel_while_generating_reaches_the_scheduler(lsp_env, folders):
+    long = {"mtplxd": {"maxTokens": 2000, "timeBudgetMs": 60000}}
+    async with lsp(lsp_env, folders["a"], options=long) as (client, _):
+        uri = open_doc(client, folders["a"] / "long.py", "x = 1\ny = ")
+
+        def generating(report):
+            return report["pending"] == 1 and report["scheduler"]["active"] >= 1
+
+        pending = inline(client, uri, 1, 4)
+        assert generating(await wait_for(client, generating))
+        edit(client, uri, 2, 1, 4, "2")  # the document moves on: that result must never arrive
+        assert await error_code(pending) in (CANCELLED, CONTENT_MODIFIED)
+        assert idle(await wait_for(client, idle))
+
+        pending = inline(client, uri, 1, 5, msg_id="cancel-me")
+        assert generating(await wait_for(client, generating))
+        client.protocol.notify(types.CANCEL_REQUEST, types.CancelParams(id="cancel-me"))
+        assert await error_code(pending) == CANCELLED
+        report = await wait_for(client, idle)
+        assert idle(report) and report["connection"]["jobs_cancelled"] == 2 and report["connection"]["answered"] == 0
+
+
+@pytest.mark.anyio
+async def test_type_ahead_and_settings(lsp_env, folders):
+    async with lsp(lsp_env, folders["a"]) as (client, _):
+        uri = open_doc(client, folders["a"] / "t.py", SOURCE)
+        [first] = await texts(client, uri, 1, 11)
+        assert len(first) >= 2
+        edit(client, uri, 2, 1, 11, first[0])  # the user types the suggestion's first character
+        assert await texts(client, uri, 1, 12, AUTOMATIC) == [first[1:]]
+        report = await status(client)
+        assert report["connection"]["cache_hits"] == 1 and report["connection"]["jobs_started"] == 1
+
+        client.workspace_did_change_configuration(types.DidChangeConfigurationParams({"mtplxd": {"enable": False}}))
+        assert await texts(client, uri, 1, 12) == []
+        client.workspace_did_change_configuration(types.DidChangeConfigurationParams(
+            {"mtplxd": {"enable": True, "debounceMs": "soon"}}))  # a bad value is ignored, with a warning
+        report = await status(client)
+        assert report["options"]["enable"] is True and report["options"]["debounceMs"] == 120
+
+
+@pytest.mark.anyio
+async def test_two_clients_two_workspaces_and_folder_changes(lsp_env, folders):
+    async with lsp(lsp_env, folders["a"]) as (one, _), lsp(lsp_env, folders["b"], encodings=["utf-8"]) as (two, init):
+        assert init.capabilities.position_encoding == types.PositionEncodingKind.Utf8
+        uri_a = open_doc(one, folders["a"] / "x.py", SOURCE)
+        uri_b = open_doc(two, folders["b"] / "y.py", SOURCE)
+        answers = await asyncio.gather(texts(one, uri_a, 1, 11), texts(two, uri_b, 1, 11))
+        assert all(len(a) == 1 and a[0].strip() for a in answers)
+        report_a, report_b = await status(one, uri_a), await status(two, uri_b)
+        assert report_a["pid"] == report_b["pid"]  # one daemon, one model
+        assert report_a["document"]["workspace"] == str(folders["a"])
+        assert report_b["document"]["workspace"] == str(folders["b"])
+
+        # UTF-8 columns: "é" is two units; 10 units = 5 characters, then 10 to the right
+        uri_u = open_doc(two, folders["b"] / "u.py", "ééééé" + "abcdefghij\n")
+        assert await texts(two, uri_u, 0, 10, AUTOMATIC) == []
+        assert (await status(two))["connection"]["skipped"] == 1
+
+        uri_c = open_doc(one, folders["c"] / "z.py", SOURCE)
+        assert (await status(one, uri_c))["document"]["workspace"] is None
+        added = types.WorkspaceFolder(folders["c"].as_uri(), "c")
+        one.workspace_did_change_workspace_folders(types.DidChangeWorkspaceFoldersParams(
+            types.WorkspaceFoldersChangeEvent(added=[added], removed=[])))
+        report = await status(one, uri_c)
+        assert report["document"]["workspace"] == str(folders["c"])
+        assert report["workspaceFolders"] == sorted([str(folders["a"]), str(folders["c"])])
+        one.workspace_did_change_workspace_folders(types.DidChangeWorkspaceFoldersParams(
+            types.WorkspaceFoldersChangeEvent(added=[], removed=[added])))
+        assert (await status(one, uri_c))["document"]["workspace"] is None
+
+
+@pytest.mark.anyio
+async def test_malformed_requests_get_errors_and_the_server_lives(lsp_env, folders):
+    async with lsp(lsp_env, folders["a"]) as (client, _):
+        uri = open_doc(client, folders["a"] / "bad.py", SOURCE)
+        assert await error_code(inline(client, (folders["a"] / "never-opened.py").as_uri(), 0, 0)) == INVALID_PARAMS
+        assert await error_code(inline(client, uri, 99, 0)) == INVALID_PARAMS  # past the last line
+        assert await error_code(client.protocol.send_request_async("mtplxd/nonsense", {})) == METHOD_NOT_FOUND
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        client.protocol._request_futures["raw-1"] = future  # a request pygls' types would refuse to send
+        client.protocol._send_data({"jsonrpc": "2.0", "id": "raw-1", "method": types.TEXT_DOCUMENT_INLINE_COMPLETION,
+                                    "params": {"textDocument": {"uri": uri}, "position": {"line": 0, "character": -1},
+                                               "context": {"triggerKind": 1}}})
+        assert await error_code(asyncio.wrap_future(future)) == INVALID_PARAMS
+        assert await texts(client, uri, 1, 11)  # still serving
+
+
+# -- the rules, without a daemon -------------------------------------------------------
+
+
+def cursor(before: str, after: str = "", below: tuple[str, ...] = (), prev: str = "", unit: str = "    ") -> Cursor:
+    return Cursor(before, after, below, prev, unit)
+
+
+def test_line_mode_and_automatic_requests():
+    assert cursor("x = f(", ")").mid_line and not cursor("x = ", "   ").mid_line
+    assert automatic_allowed(cursor("f(", "a, b, c)")) and not automatic_allowed(cursor("f(", "a, b, c, d, e)"))
+    assert trim("a, b)\nmore", cursor("f(", ")")) == ("a, b", True)
+    assert trim("g(x), y", cursor("f(", ")")) == ("g(x), y", False)  # ")" inside a call it opened
+    assert trim("1 +", cursor("x = ", "")) == ("1 +", False)
+    assert suffix_start('hello" + x', '"') == 5
+
+
+def test_multi_line_stops():
+    here = cursor("def f():", below=("", "def g():"))
+    assert trim("\n    a = 1\n\n    b = 2", here) == ("\n    a = 1", True)  # blank line
+    assert trim("\n    a = 1\n    \n", here)[1]  # whitespace-only line counts as blank
+    assert trim("\n    a = 1\ndef g():\n", here) == ("\n    a = 1", True)  # the next existing line
+    inner = cursor("    x = ", below=("    return x",))
+    assert trim("1\n    return x\n", inner) == ("1", True)
+    assert trim("1\nprint(x)\n", inner) == ("1", True)  # back at column 0: left the block
+    assert trim("1\n    y", inner) == ("1\n    y", False)  # an unfinished line is not judged yet
+    assert finalize("1\n    return x", inner) == "1"  # ... until the end
+
+
+def test_indentation_and_repeats():
+    typed = cursor("    ", prev="def f():")
+    assert finalize("    return 1\n    pass", typed) == "return 1\npass"  # the typed indent, not twice
+    assert finalize("return 1", typed) == "return 1"
+    nested = cursor("    ", prev="    if x:")
+    assert finalize("    y = 1", nested) == "    y = 1"  # the block does call for one more level
+    tabs = cursor("", prev="def f():", unit="\t")
+    assert finalize("    return 1\n        pass", tabs) == "\treturn 1\n\t\tpass"
+    assert finalize("x = 1  \n\n", cursor("")) == "x = 1"
+    assert finalize("  ", cursor("x = ")) == ""
+    assert finalize("b)", cursor("f(a, ", "b)")) == ""  # only what already follows
+    assert finalize("\n    return x", cursor("def f(x):", below=("    return x",))) == ""
+    assert detect_indent_unit(["def f():\n", "  if x:\n", "    y\n"]) == "  "
+    assert detect_indent_unit(["def f():\n", "\tpass\n"]) == "\t"
+
+
+def test_snippet_text_expands_to_the_text():
+    assert snippet_text("f(${x}) \\ $y") == "f(\\${x\\}) \\\\ \\$y"
+
+
+def test_type_ahead_cache():
+    cache = TypeAheadCache(size=2)
+    cache.put("u", "x = ", "\n", "foo(1)")
+    assert cache.get("u", "x = ", "\n") == "foo(1)"
+    assert cache.get("u", "x = fo", "\n") == "o(1)"
+    assert cache.get("u", "x = fx", "\n") is None  # typed something else
+    assert cache.get("u", "x = fo", "\nchanged") is None
+    assert cache.get("u", "x = foo(1)", "\n") is None  # all of it typed: ask the engine
+    cache.put("v", "", "", "a")
+    cache.put("w", "", "", "b")
+    assert cache.get("u", "x = ", "\n") is None  # evicted
+
+
+def test_options():
+    options, warnings = Options().merged({"mtplxd": {"maxTokens": 32, "debounceMs": -1, "enable": False}})
+    assert options.max_tokens == 32 and options.debounce_ms == 120 and options.enable is False
+    assert len(warnings) == 1 and "debounceMs" in warnings[0]
+    assert Options().merged(None) == (Options(), [])
+    assert Options().merged({"provider": "both"})[0].provider == "both"
+
+
+def test_workspace_mapping():
+    folders = ["file:///w", "file:///w/inner", "file:///x%20y"]
+    assert workspace_of("file:///w/a.py", folders) == "/w"
+    assert workspace_of("file:///w/inner/b.py", folders) == "/w/inner"
+    assert workspace_of("file:///x%20y/c.py", folders) == "/x y"
+    assert workspace_of("file:///wz/c.py", folders) is None
+    assert workspace_of("file:///r/c.py", [], root_uri="file:///r") == "/r"
+    assert workspace_of("untitled:1", folders) is None
+
+
+class _Doc:
+    """The part of pygls' TextDocument that `snapshot` reads."""
+
+    def __init__(self, text: str, version: int = 1, encoding: str = "utf-16"):
+        from pygls.workspace.position_codec import PositionCodec
+
+        self.lines, self.version, self.language_id = text.splitlines(True), version, "python"
+        self.position_codec = PositionCodec(encoding)
+
+
+def test_snapshot_positions():
+    snap = snapshot("file:///a.py", _Doc("a😀b\nxy"), 0, 3)  # the emoji is two UTF-16 units
+    assert (snap.prefix, snap.cursor.line_suffix) == ("a😀", "b")
+    assert snapshot("file:///a.py", _Doc("ab\n"), 0, 99).cursor.line_prefix == "ab"  # clamped, as the LSP says
+    assert snapshot("file:///a.py", _Doc("ab\n"), 1, 0).prefix == "ab\n"  # the empty last line
+    with pytest.raises(ValueError):
+        snapshot("file:///a.py", _Doc("ab"), 1, 0)
+
+
+def test_prompts_budget_and_stable_context(checkpoint):
+    from engine.engine import load_tokenizer
+
+    builder = PromptBuilder(load_tokenizer(checkpoint))
+    lines = "".join(f"line{i} = {i}\n" for i in range(200))
+    snap = snapshot("file:///w/a.py", _Doc(lines + "x = "), 200, 4)
+    options = Options(context_tokens=400)
+    ids = builder.build(snap, options)
+    assert ids[0] == builder.fim.prefix and ids[-1] == builder.fim.middle
+    assert len(ids) <= 400 + 3
+    text = builder.tokenizer.decode(ids[1:ids.index(builder.fim.suffix)])
+    first = int(text.split(" ")[0].removeprefix("line"))
+    assert text.endswith("x = ") and 160 < first and first % 4 == 0  # 28 lines fit: steps of 4
+
+    other = [ContextDocument("file:///w/b.py", 3, "b.py", "python", "def helper():\n    return 42\n")]
+    one = builder.build(snap, options, "a.py", other)
+    snap2 = snapshot("file:///w/a.py", _Doc(lines + "x = h", 2), 200, 5)
+    two = builder.build(snap2, options, "a.py", other)
+    shared = next(i for i, (p, q) in enumerate(zip(one, two)) if p != q)
+    context_text = builder.tokenizer.decode(one[:shared])
+    assert context_text.startswith("<|fim_prefix|># b.py\ndef helper():\n    return 42")  # other files first
+    assert "# a.py\nline1" in context_text
+    assert context_text.endswith("x = ")  # the next keystroke reuses all of it
