@@ -23,7 +23,7 @@ from typing import Any, Iterable
 from urllib.parse import unquote, urlparse
 
 from adapters.lsp_postprocess import Cursor, detect_indent_unit
-from engine.prompts import fim_tokens
+from engine.prompts import fim_tokens, leading_special
 
 PREFIX_SHARE = 0.7
 START_LINE_STEP = 16  # a cut prefix starts on a multiple of up to this many lines (a quarter of what fits)
@@ -214,7 +214,7 @@ class PromptBuilder:
         added = _added_vocab(tokenizer)
         self.file_sep = added.get("<|file_sep|>")
         self.repo_name = added.get("<|repo_name|>")
-        self.bos = _leading_special(tokenizer)
+        self.bos = leading_special(tokenizer)
         self._line_counts: dict[str, int] = {}
         self._context: dict[tuple, list[int]] = {}
 
@@ -325,12 +325,3 @@ def _added_vocab(tokenizer: Any) -> dict[str, int]:
         return dict(get()) if callable(get) else {}
     except Exception:
         return {}
-
-
-def _leading_special(tokenizer: Any) -> list[int]:
-    """The BOS the tokenizer puts before text, if it puts one."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return []
-    ids = list(tokenizer.encode("a"))
-    return [bos] if ids and ids[0] == bos else []

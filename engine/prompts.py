@@ -151,7 +151,7 @@ def fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str) -> list[int]:
     """
     fim = fim_tokens(tokenizer)
     return [
-        *_leading_special(tokenizer),
+        *leading_special(tokenizer),
         fim.prefix,
         *_encode_plain(tokenizer, prefix),
         fim.suffix,
@@ -164,7 +164,7 @@ def _encode_plain(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def _leading_special(tokenizer: Any) -> list[int]:
+def leading_special(tokenizer: Any) -> list[int]:
     """The BOS the tokenizer puts before text, if it puts one (Code Llama does, Qwen does not)."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:

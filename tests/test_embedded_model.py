@@ -1,0 +1,35 @@
+"""The embedded default model: small, MTP-capable, and served with no flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+import engine
+from engine.backends.descriptors import inspect_checkpoint
+from tests.daemon_fixture import running_daemon
+
+ASSETS = Path(engine.__file__).parent / "assets"
+pytestmark = pytest.mark.skipif(not (ASSETS / "config.json").is_file(), reason="no embedded model")
+
+
+def test_embedded_model_is_small_and_supported():
+    size = sum(p.stat().st_size for p in ASSETS.iterdir() if p.is_file())
+    assert size <= 25 * 10**6
+    report = inspect_checkpoint(ASSETS)
+    assert report.status == "supported" and report.family == "mimo" and report.mtp_heads >= 1
+    assert (ASSETS / "README.md").is_file()  # the model card
+
+
+def test_daemon_serves_the_embedded_model_without_flags(tmp_path):
+    with running_daemon(tmp_path / "state", None) as daemon:
+        client = OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused")
+        ar = client.completions.create(model="default", prompt="def add(a, b):\n", max_tokens=24,
+                                       temperature=0, extra_body={"generation_mode": "ar"})
+        mtp = client.completions.create(model="default", prompt="def add(a, b):\n", max_tokens=24,
+                                        temperature=0, extra_body={"generation_mode": "mtp", "depth": 2})
+        assert ar.usage.completion_tokens > 0
+        assert mtp.choices[0].text == ar.choices[0].text
+        assert mtp.model_extra["mtp"]["drafted"] > 0
