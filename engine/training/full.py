@@ -51,12 +51,7 @@ class ModelSettings:
 def train_model(settings: ModelSettings, resume: bool = False, callback=None) -> trainer.TrainResult:
     out = Path(settings.out)
     state_dir = out / trainer.STATE_DIR
-    saved = trainer.read_state(out)
-    if resume:
-        if saved is None or saved.get("mode") != "full":
-            raise FileNotFoundError(f"nothing to resume in {out} (no full training state)")
-    elif saved is not None:
-        raise FileExistsError(f"{out} already holds a training run: pass --resume, or choose another --out")
+    saved = trainer.check_run_state(out, "full", resume)
     s = settings
     say = _say if s.progress else (lambda *a: None)
     out.mkdir(parents=True, exist_ok=True)

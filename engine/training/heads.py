@@ -198,12 +198,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     from engine.engine import Engine
 
     out = Path(settings.out)
-    saved = trainer.read_state(out)
-    if resume:
-        if saved is None or saved.get("mode") != "heads":
-            raise FileNotFoundError(f"nothing to resume in {out} (no heads training state)")
-    elif saved is not None:
-        raise FileExistsError(f"{out} already holds a training run: pass --resume, or choose another --out")
+    saved = trainer.check_run_state(out, "heads", resume)
     s = settings
     say = _say if s.progress else (lambda *a: None)
     src = Path(s.model).expanduser().resolve()

@@ -82,6 +82,16 @@ def read_state(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def check_run_state(out: Path, mode: str, resume: bool) -> dict | None:
+    """The saved state of a `mode` run in `out`; refuses to resume nothing or overwrite a run."""
+    saved = read_state(out)
+    if resume and (saved is None or saved.get("mode") != mode):
+        raise FileNotFoundError(f"nothing to resume in {out} (no {mode} training state)")
+    if not resume and saved is not None:
+        raise FileExistsError(f"{out} already holds a training run: pass --resume, or choose another --out")
+    return saved
+
+
 class _Interrupts:
     """First Ctrl-C: finish the step, save, stop. Second: stop at once."""
 
