@@ -163,8 +163,8 @@ class McpAdapter:
         tokens, last_report, first = 0, 0.0, None
         engine = self.scheduler.engine
         heads = engine.backend.n_heads if engine is not None else 0
-        depth = request.depth or self.scheduler.limits.default_depth
-        mtp = MTPStats(depth=depth if request.mode == "mtp" and heads else 0)
+        plan = self.scheduler.plan(request) if heads else None
+        mtp = MTPStats(depth=plan.depth if plan is not None and plan.mode == "mtp" else 0)
         done: Done | None = None
         try:
             with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):

@@ -133,7 +133,7 @@ class Figures:
             family=descriptor.family if descriptor else None,
             mtp_heads=engine.backend.n_heads,
             depth_range=list(descriptor.depth_range) if descriptor else [0, 0],
-            default_depth=getattr(self.scheduler.limits, "default_depth", None),
+            default_depth=self._depth(0.0) or None,
             context_length=info.context_length,
             vocab_size=info.vocab_size,
             sampler_defaults={"temperature": info.temperature, "top_p": info.top_p, "top_k": info.top_k},
@@ -177,6 +177,18 @@ class Figures:
         body["watched"] = workspace in (self._watched() or ())
         return body
 
+    def _profile(self) -> str:
+        planner = getattr(self.scheduler, "planner", None)
+        return planner.profile.name if planner is not None else getattr(self.settings, "profile", None) or "auto"
+
+    def _depth(self, temperature: float) -> int:
+        """The depth a request at `temperature` decodes with (0: AR, or not loaded)."""
+        planner = getattr(self.scheduler, "planner", None)
+        if planner is None:
+            return 0
+        plan = planner.plan(temperature)
+        return plan.depth if plan.mode == "mtp" else 0
+
     def status(self) -> StatusResult:
         stats = self.scheduler.stats()
         engine = self.scheduler.engine
@@ -186,8 +198,8 @@ class Figures:
             model=self.model_id(),
             family=getattr(descriptor, "family", None) if engine is not None else None,
             mtp_heads=engine.backend.n_heads if engine is not None else None,
-            profile=getattr(self.settings, "profile", None) or "auto",
-            depth=getattr(self.scheduler.limits, "default_depth", 0),
+            profile=self._profile(),
+            depth=self._depth(0.0),
             context_length=getattr(engine, "context_length", None),
             load_error=self.scheduler.load_error,
             uptime_s=round(time.monotonic() - self.started, 3),

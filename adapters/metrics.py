@@ -21,7 +21,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Paths worth a label of their own; anything else is "other", so a scanner
 # probing random URLs cannot grow the label set without bound.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics",
-             "/v1/sessions",
+             "/v1/sessions", "/v1/messages", "/v1/messages/count_tokens",
              "/mcp")
 STATES = ("loading", "ready", "failed", "stopping", "stopped")
 

@@ -7,16 +7,23 @@
     GET  /health                open even with an API key; 200 only when ready
     GET  /metrics               Prometheus text, this app's own registry
 
-Extensions: request fields `generation_mode` ("mtp" | "ar") and `depth`;
+Chat completions take `tools`, `tool_choice`, `parallel_tool_calls`, tool turns in
+the history and `response_format` json_object / json_schema (checked, reported as
+`response_format_check`); replies carry `tool_calls` and `reasoning_content`
+(adapters/openai_chat.py). The Anthropic Messages API (`/v1/messages`) is mounted
+here too (adapters/anthropic.py).
+
+Extensions: request fields `generation_mode` ("mtp" | "ar"), `depth` and `profile`
+("sustained" | "burst" | "turbo"; unset, the daemon's profile picks the measured best
+mode and depth, engine/profiles.py);
 responses carry `mtp` {depth, drafted, accepted, acceptance_by_depth} and
 `timings` besides `usage`. Header `X-Mtplx-Priority: interactive|normal|background`
 picks the scheduling class (default normal). Header `X-Mtplx-Workspace: /abs/folder`
 (or `metadata.workspace`) names the session-bank namespace; `usage.prompt_tokens_details.
 cached_tokens` says how much of the prompt it restored. GET/DELETE /v1/sessions:
 adapters/sessions.py. Refused with a 400 rather than
-ignored: n != 1, logprobs, penalties, logit_bias, non-text response_format,
-echo, best_of, non-text content parts. Tools are not implemented: `tools` is
-ignored and tool calls are never parsed out of the text.
+ignored: n != 1, logprobs, penalties, logit_bias, echo, best_of, non-text
+content parts, legacy `functions`.
 
 The adapter is thin: it validates (adapters/openai_schema.py), submits one
 request to the scheduler and turns the ticket's events into OpenAI shapes
@@ -52,9 +59,12 @@ from starlette.routing import Route
 import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
+from adapters.anthropic import anthropic_routes, is_anthropic_path
+from adapters.anthropic_schema import error_body as anthropic_error_body
 from adapters.metrics import CONTENT_TYPE, Metrics, RequestCounter
+from adapters.openai_chat import ChatReader, chat_message, parse_chat
 from adapters.openai_schema import (
-    ApiError, ModelInfo, TextParams, parse_chat, parse_completion, parse_embeddings, parse_json, parse_priority,
+    ApiError, ModelInfo, TextParams, parse_completion, parse_embeddings, parse_json, parse_priority,
 )
 from adapters.openai_stream import Releasing, Run, Shape, collect, final, sse
 from adapters.sessions import session_routes, with_workspace
@@ -80,6 +90,7 @@ def create_app(scheduler: Any, settings: Any) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
         *session_routes(scheduler),
+        *anthropic_routes(api),
     ]
     middleware = [  # outermost first: 401s are counted too
         Middleware(RequestCounter, metrics=metrics),
@@ -103,36 +114,41 @@ class _Api:
 
     async def chat_completions(self, request: Request) -> Any:
         body = parse_json(await request.body())
-        model = self._ready_model()
+        model = self.ready_model()
         params = parse_chat(body, model, parse_priority(request.headers.get(PRIORITY_HEADER)))
         params = with_workspace(params, request, body)
         return await self._text(request, params, Shape(model.id, chat=True))
 
     async def completions(self, request: Request) -> Any:
         body = parse_json(await request.body())
-        model = self._ready_model()
+        model = self.ready_model()
         params = parse_completion(body, model, parse_priority(request.headers.get(PRIORITY_HEADER)))
         params = with_workspace(params, request, body)
         return await self._text(request, params, Shape(model.id, chat=False))
 
     async def _text(self, request: Request, params: TextParams, shape: Shape) -> Any:
-        run = Run(self._submit(params.request), self.metrics, request.url.path)
+        run = Run(self.submit(params.request), self.metrics, request.url.path)
         if params.stream:
-            return Releasing(EventSourceResponse(sse(run, shape, params.include_usage), ping=SSE_PING_S), run)
+            reader = ChatReader(params.turn, params.response_format) if params.turn else None
+            return Releasing(EventSourceResponse(sse(run, shape, params.include_usage, reader), ping=SSE_PING_S), run)
         try:
             events = await collect(request, run)
         finally:
             run.release()
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
-        return JSONResponse(shape.full(text, final(events, Done)))
+        done = final(events, Done)
+        if params.turn is None:
+            return JSONResponse(shape.full(text, done))
+        message, finish_reason, extra = chat_message(params.turn, text, done.finish_reason, params.response_format)
+        return JSONResponse(shape.chat_full(message, finish_reason, done, **extra))
 
     # -- embeddings ------------------------------------------------------------------
 
     async def embeddings(self, request: Request) -> Any:
         body = parse_json(await request.body())
-        model = self._ready_model()
+        model = self.ready_model()
         embed, encoding = parse_embeddings(body, model, parse_priority(request.headers.get(PRIORITY_HEADER)))
-        run = Run(self._submit(embed), self.metrics, request.url.path)
+        run = Run(self.submit(embed), self.metrics, request.url.path)
         try:
             result = final(await collect(request, run), Embeddings)
         finally:
@@ -165,6 +181,9 @@ class _Api:
             "queue": asdict(stats),
             "memory": {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory()},
         }
+        planner = getattr(self.scheduler, "planner", None)
+        if planner is not None:  # the profile and the mode/depth it picks per temperature
+            body["decoding"] = planner.describe()
         if stats.state == "failed":
             body["error"] = self.scheduler.load_error
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
@@ -174,7 +193,7 @@ class _Api:
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _ready_model(self) -> ModelInfo:
+    def ready_model(self) -> ModelInfo:
         state = self.scheduler.state
         if state == "loading":
             raise ApiError(503, "the model is still loading; retry shortly", code="model_loading",
@@ -196,7 +215,7 @@ class _Api:
             configured = None
         return Path(str(configured)).name if configured else None
 
-    def _submit(self, request: Any) -> Ticket:
+    def submit(self, request: Any) -> Ticket:
         try:
             return self.scheduler.submit(request)
         except QueueFull as e:
@@ -228,7 +247,8 @@ def _encode_vector(vector: list[float], encoding: str) -> Any:
 
 class _ApiKey:
     """ASGI middleware: with an API key set, every path but /health needs
-    `Authorization: Bearer <key>` (compared in constant time)."""
+    `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's clients send
+    the latter), compared in constant time."""
 
     def __init__(self, app: Any, key: str | None):
         self.app = app
@@ -238,28 +258,38 @@ class _ApiKey:
         if scope["type"] != "http" or self.key is None or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key):
+        headers = Headers(scope=scope)
+        scheme, _, bearer = headers.get("authorization", "").partition(" ")
+        offered = [bearer.strip()] if scheme.lower() == "bearer" else []
+        offered += [headers["x-api-key"].strip()] if "x-api-key" in headers else []
+        if any(hmac.compare_digest(token.encode(), self.key) for token in offered):
             await self.app(scope, receive, send)
             return
-        message = "incorrect API key provided" if token else "missing API key: send Authorization: Bearer <key>"
+        message = ("incorrect API key provided" if any(offered)
+                   else "missing API key: send Authorization: Bearer <key> or x-api-key: <key>")
         error = ApiError(401, message, code="invalid_api_key")
-        response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        body = anthropic_error_body(error) if is_anthropic_path(scope["path"]) else error.body()
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+def _error_response(request: Request, error: ApiError, headers: dict[str, str] | None = None) -> Response:
+    """OpenAI's error shape, or Anthropic's on the Messages API paths."""
+    body = anthropic_error_body(error) if is_anthropic_path(request.url.path) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers if headers is not None else error.headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _error_response(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = "not_found" if exc.status_code == 404 else None
     error = ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code)
-    return JSONResponse(error.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
+    return _error_response(request, error, dict(exc.headers or {}))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
-    return JSONResponse(error.body(), status_code=500)
+    return _error_response(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.prompts import chat_prompt_ids, completion_prompt_ids, fim_prompt_ids
+from engine.profiles import PROFILE_NAMES
+from engine.prompts import completion_prompt_ids, fim_prompt_ids
 from engine.sampling import SamplerSettings
 from mtplxd.jobs import EmbedRequest, Priority, TextRequest
+
+if TYPE_CHECKING:  # imported for annotations only: both modules import this one
+    from adapters.chat_turn import ChatTurn
+    from adapters.json_output import ResponseFormat
 
 DEFAULT_MAX_TOKENS = 512
 MAX_STOPS = 4  # OpenAI's limit
@@ -85,6 +90,8 @@ class TextParams:
     request: TextRequest
     stream: bool
     include_usage: bool
+    turn: ChatTurn | None = None  # chat: how to read the reply (reasoning, tool calls)
+    response_format: ResponseFormat | None = None  # chat: JSON to check the answer against
 
 
 # -- reading fields ----------------------------------------------------------------
@@ -160,26 +167,18 @@ def parse_priority(header: str | None) -> Priority:
 # -- text generation -----------------------------------------------------------------
 
 
-def parse_chat(body: dict, model: ModelInfo, priority: Priority) -> TextParams:
-    check_model(body, model.id)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("`messages` must be a non-empty list", "messages")
-    try:
-        prompt = chat_prompt_ids(model.tokenizer, messages)
-    except ValueError as e:
-        raise bad(str(e), "messages") from None
-    return _text_params(body, model, prompt, "messages", priority)
-
-
 def parse_completion(body: dict, model: ModelInfo, priority: Priority) -> TextParams:
     check_model(body, model.id)
     if get_bool(body, "echo"):
         raise bad("`echo` is not supported", "echo")
     if get_int(body, "best_of", 1) != 1:
         raise bad("`best_of` must be 1", "best_of")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict)
+                                        or response_format.get("type") != "text"):
+        raise bad("/v1/completions supports only response_format {'type': 'text'}", "response_format")
     prompt = _completion_prompt(body, model)
-    return _text_params(body, model, prompt, "prompt", priority)
+    return text_params(body, model, prompt, "prompt", priority)
 
 
 def _completion_prompt(body: dict, model: ModelInfo) -> list[int]:
@@ -210,22 +209,21 @@ def _token_ids(value: Any, model: ModelInfo, param: str) -> list[int]:
     return value
 
 
-def _text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: str,
-                 priority: Priority) -> TextParams:
+def text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: str,
+                priority: Priority) -> TextParams:
     _refuse_unsupported(body)
     if get_int(body, "n", 1) != 1:
         raise bad("only n=1 is supported", "n")
     if not prompt:
         raise bad("the prompt is empty", prompt_param)
     stream = get_bool(body, "stream")
-    mode = body.get("generation_mode") or "mtp"
-    if mode not in ("mtp", "ar"):
-        raise bad("`generation_mode` must be 'mtp' or 'ar'", "generation_mode")
+    mode, profile = decode_extensions(body)
     request = TextRequest(
         prompt_ids=tuple(prompt),
         max_tokens=_max_tokens(body, model, len(prompt), prompt_param),
         sampler=_sampler(body, model),
         mode=mode,
+        profile=profile,
         depth=get_int(body, "depth", model.default_depth, 1, max(model.depth_max, 1)),
         seed=_seed(body),
         stop=_stops(body),
@@ -237,6 +235,18 @@ def _text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: 
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise bad("`metadata` must be an object", "metadata")
     return TextParams(request, stream, _include_usage(body, stream))
+
+
+def decode_extensions(body: dict) -> tuple[str | None, str | None]:
+    """This daemon's request extensions `generation_mode` ("mtp" | "ar") and `profile`
+    (engine/profiles.py). Unset, the daemon's profile and its measurement decide."""
+    mode = body.get("generation_mode")
+    if mode is not None and mode not in ("mtp", "ar"):
+        raise bad("`generation_mode` must be 'mtp' or 'ar'", "generation_mode")
+    profile = body.get("profile")
+    if profile is not None and profile not in PROFILE_NAMES:
+        raise bad(f"`profile` must be one of {', '.join(PROFILE_NAMES)}", "profile")
+    return mode, profile
 
 
 def _max_tokens(body: dict, model: ModelInfo, prompt_len: int, prompt_param: str) -> int:
@@ -305,10 +315,6 @@ def _refuse_unsupported(body: dict) -> None:
     logprobs = body.get("logprobs")
     if logprobs not in (None, False, 0) or body.get("top_logprobs"):
         raise bad("`logprobs` is not supported", "logprobs")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict)
-                                        or response_format.get("type") != "text"):
-        raise bad("only response_format {'type': 'text'} is supported", "response_format")
 
 
 # -- embeddings ----------------------------------------------------------------------

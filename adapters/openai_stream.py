@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import anyio
 from starlette.requests import Request
@@ -131,12 +131,15 @@ class Shape:
 
     def full(self, text: str, done: Done) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": done.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model_id, "choices": [choice], **stats_body(done)}
+            return self.chat_full({"role": "assistant", "content": text, "refusal": None}, done.finish_reason, done)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": [choice], **stats_body(done)}
+
+    def chat_full(self, message: dict, finish_reason: str, done: Done, **extra: Any) -> dict:
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
+                "choices": [choice], **stats_body(done), **extra}
 
 
 def stats_body(done: Done) -> dict:
@@ -153,18 +156,34 @@ def stats_body(done: Done) -> dict:
     }
 
 
-async def sse(run: Run, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
-    """The event stream; always ends with `[DONE]` or one final error event."""
+class Reader(Protocol):
+    """Turns streamed text into chat choices (adapters/openai_chat.ChatReader)."""
+
+    def feed(self, text: str) -> list[dict]: ...
+    def finish(self) -> list[dict]: ...
+    def finish_reason(self, reason: str) -> str: ...
+    def final_fields(self) -> dict: ...
+
+
+async def sse(run: Run, shape: Shape, include_usage: bool, reader: Reader | None = None) -> AsyncIterator[str]:
+    """The event stream; always ends with `[DONE]` or one final error event. A chat
+    stream's text goes through `reader` (reasoning, tool calls) when there is one."""
     extra = {"usage": None} if include_usage else {}  # OpenAI: usage null until the last chunk
     try:
         if shape.chat:  # the role arrives at once, before the prompt is even prefilled
             yield shape.chunk([shape.delta("", role=True)], **extra)
         async for event in run.events():
             if isinstance(event, TextDelta) and event.text:
-                yield shape.chunk([shape.delta(event.text)], **extra)
+                for choice in reader.feed(event.text) if reader else [shape.delta(event.text)]:
+                    yield shape.chunk([choice], **extra)
             elif isinstance(event, Done):
                 stats = stats_body(event)
-                yield shape.chunk([shape.delta("", event.finish_reason)], mtp=stats["mtp"], **extra)
+                reason, fields = event.finish_reason, {}
+                if reader:
+                    for choice in reader.finish():
+                        yield shape.chunk([choice], **extra)
+                    reason, fields = reader.finish_reason(reason), reader.final_fields()
+                yield shape.chunk([shape.delta("", reason)], mtp=stats["mtp"], **fields, **extra)
                 if include_usage:
                     yield shape.chunk([], **stats)
             elif isinstance(event, Failed):

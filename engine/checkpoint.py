@@ -113,3 +113,14 @@ def load_weights(folder: Path) -> dict[str, Any]:
         read_header(path)
         weights.update(mx.load(str(path)))
     return weights
+
+
+# config.json key under which `mtplxd convert` records what it did to a checkpoint
+# (see engine/conversion.py); mlx-lm ignores keys it does not know.
+CONVERSION_KEY = "mtplxd_conversion"
+
+
+def conversion_record(config: dict[str, Any]) -> dict[str, Any]:
+    """What mtplxd's converter recorded in this config ({} for an original checkpoint)."""
+    record = config.get(CONVERSION_KEY)
+    return record if isinstance(record, dict) else {}

@@ -20,6 +20,7 @@ from engine.backends.base import Backend
 from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
 from engine.checkpoint import CheckpointError, load_weights, read_config, text_config
 from engine.generation import Generation, GenerationRequest
+from engine.quantized import quantization
 from engine.session_state import Restore
 
 
@@ -45,6 +46,8 @@ class Engine:
         module = importlib.import_module(module_name)
         config = read_config(folder)
         backend = module.load(folder, config, weights)
+        if target is not None and quantization(config) is not None:
+            _dequantize(backend.trunk)
         context = int(text_config(config).get("max_position_embeddings") or 4096)
         return cls(folder, backend, report.descriptor, load_tokenizer(folder), context)
 
@@ -63,8 +66,20 @@ class Engine:
 
 
 def default_dtype() -> mx.Dtype | None:
-    """float32 on CPU, where half-precision matmuls skip BLAS; as stored on Metal."""
+    """float32 on CPU, where half-precision and quantized matmuls skip BLAS (quantized
+    trunks are unpacked there); as stored on Metal."""
     return None if mx.metal.is_available() else mx.float32
+
+
+def _dequantize(trunk: Any) -> None:
+    """Unpack a quantized trunk into plain layers (in the scales' dtype, already the
+    target). Off Metal, quantized matmuls bypass BLAS: a K+1-row verify forward then
+    costs about K+1 single-token ones, and speculation stops paying. The smaller files
+    still saved the download and the disk."""
+    from mlx_lm.utils import dequantize_model
+
+    dequantize_model(trunk)
+    mx.eval(trunk.parameters())
 
 
 def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.backends.base import Backend, Tape
-from engine.sampling import SamplerSettings, probabilities
+from engine.sampling import SamplerSettings, compiled_probabilities, probabilities
 from engine.session_mlx import (
     capture_head,
     capture_layer,
@@ -46,7 +46,7 @@ from engine.session_mlx import (
     to_host,
 )
 from engine.session_state import Restore, Snapshot, SnapshotMismatch, Tensor
-from engine.speculative import sample, verify
+from engine.speculative import compiled_verify, sample, verify
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class GenerationRequest:
     max_tokens: int = 256
     stop_token_ids: frozenset[int] = frozenset()
     prefill_chunk: int = 512
+    compiled: bool = False  # mx.compile the sampling filters and verification (turbo profile)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -191,7 +192,8 @@ class Generation:
         window = mx.concatenate([mx.array([self.tokens[-1]]), drafts])[None]
         logits, hidden = self.backend.forward(window, self.cache, tape)
         p = self._probs(logits[0])[None]
-        n_accepted, next_token = verify(p, mx.stack(q, axis=1), drafts[None], self._next_key())
+        check = compiled_verify if self.request.compiled else verify
+        n_accepted, next_token = check(p, mx.stack(q, axis=1), drafts[None], self._next_key())
         mx.eval(n_accepted, next_token, drafts)
         m = int(n_accepted.item())
         self.backend.rewind(self.cache, tape, keep=m + 1)
@@ -360,6 +362,8 @@ class Generation:
             self._heads[0].pending = _concat(self._heads[0].pending, hidden)
 
     def _probs(self, logits: mx.array) -> mx.array:
+        if self.request.compiled:
+            return compiled_probabilities(self.request.sampler)(logits.astype(mx.float32))
         return probabilities(logits.astype(mx.float32), self.request.sampler)
 
     def _next_key(self) -> mx.array:

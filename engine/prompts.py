@@ -8,9 +8,14 @@ ValueError with a message fit to show that client.
 
 from __future__ import annotations
 
+import json
 import weakref
 from dataclasses import dataclass
 from typing import Any
+
+from jinja2 import TemplateError
+
+from engine.tool_prompts import hermes_messages, template_knows_tools, uses_tools
 
 # Roles every chat template understands. "developer" is OpenAI's newer name for
 # "system"; most templates only know the latter, so it is renamed.
@@ -57,8 +62,10 @@ def message_text(content: Any) -> str:
     return "".join(texts)
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Validate OpenAI chat messages and reduce them to {role, content} strings."""
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validate OpenAI chat messages and reduce them to {role, content} strings, keeping
+    an assistant turn's `tool_calls` (arguments as objects, as chat templates expect
+    them) and a tool turn's `tool_call_id` / `name`."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     out = []
@@ -69,9 +76,50 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} or developer")
         try:
-            out.append({"role": role, "content": message_text(message.get("content"))})
+            out.append({"role": role, "content": message_text(message.get("content")), **_tool_fields(role, message)})
         except ValueError as e:
             raise ValueError(f"messages[{i}]: {e}") from None
+    return out
+
+
+def _tool_fields(role: str, message: dict) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if role == "assistant" and message.get("tool_calls"):
+        fields["tool_calls"] = tool_calls_for_template(message["tool_calls"])
+    if role == "tool":
+        for name in ("tool_call_id", "name"):
+            value = message.get(name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"`{name}` must be a string")
+            if value is not None:
+                fields[name] = value
+    return fields
+
+
+def tool_calls_for_template(calls: Any) -> list[dict[str, Any]]:
+    """OpenAI `tool_calls` checked, with `function.arguments` parsed from its JSON string."""
+    if not isinstance(calls, list):
+        raise ValueError("`tool_calls` must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tool_calls[{j}] needs a `function` with a `name`")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"tool_calls[{j}].type must be 'function'")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise ValueError(f"tool_calls[{j}].function.arguments is not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"tool_calls[{j}].function.arguments must be a JSON object")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ValueError(f"tool_calls[{j}].id must be a string")
+        out.append({"id": call_id or f"call_{j}", "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
     return out
 
 
@@ -82,16 +130,34 @@ def has_chat_template(tokenizer: Any) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
-    """Token ids of `messages` rendered by the model's chat template, ready for
-    the assistant's reply (add_generation_prompt=True)."""
+def chat_prompt_text(tokenizer: Any, messages: Any, tools: list[dict] | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> str:
+    """`messages` (and `tools`, OpenAI form) rendered by the model's chat template, ready
+    for the assistant's reply (add_generation_prompt=True). A template that knows no tools
+    gets them the Hermes way (engine/tool_prompts.py)."""
     if not has_chat_template(tokenizer):
         raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
     normalized = normalize_messages(messages)
+    kwargs = dict(template_kwargs or {})
+    if tools or uses_tools(normalized):
+        if template_knows_tools(tokenizer):
+            if tools:
+                kwargs["tools"] = tools
+        else:
+            normalized = hermes_messages(normalized, tools or [])
+    try:
+        return tokenizer.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False, **kwargs)
+    except TemplateError as e:  # the template's own checks (roles must alternate, ...)
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Any, tools: list[dict] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of `chat_prompt_text`."""
     # Rendering to text, then encoding without extra special tokens, is the one
     # form every transformers version agrees on (tokenize=True returns a list in
     # some versions and a BatchEncoding in others). The template writes its own BOS.
-    text = tokenizer.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
+    text = chat_prompt_text(tokenizer, messages, tools, template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -8,7 +8,9 @@ leading dims, so it never forces a host sync.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache, partial
 
 # Being inside the engine package, engine/__init__ (the BLAS fix) has already run.
 import mlx.core as mx
@@ -36,6 +38,12 @@ class SamplerSettings:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@lru_cache(maxsize=32)
+def compiled_probabilities(settings: SamplerSettings) -> Callable[[mx.array], mx.array]:
+    """`probabilities` for fixed settings, traced once per shape by mx.compile."""
+    return mx.compile(partial(probabilities, settings=settings))
 
 
 def probabilities(logits: mx.array, settings: SamplerSettings) -> mx.array:

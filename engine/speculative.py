@@ -99,3 +99,9 @@ def _final_distribution(p: mx.array, q: mx.array, n_accepted: mx.array) -> mx.ar
     candidates = mx.concatenate([residual(p[:, :depth], q), p[:, depth:]], axis=1)
     index = n_accepted.astype(mx.uint32)[:, None, None]
     return mx.take_along_axis(candidates, index, axis=1)[:, 0]
+
+
+# The same function traced once per input shape and fused (the turbo profile):
+# identical math, so the same exactness; tests/test_speculative.py checks
+# that both give the same tokens for the same keys.
+compiled_verify = mx.compile(verify)

@@ -19,7 +19,9 @@ from pathlib import Path
 import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
+from engine.checkpoint import read_config
 from engine.engine import Engine
+from engine.profiles import Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile
 from engine.generation import GenerationRequest
 from engine.sampling import SamplerSettings
 
@@ -57,10 +59,11 @@ def held_out_prompts(n: int, chars: int = 1200) -> list[str]:
     return prompts
 
 
-def run_once(engine_: Engine, ids: tuple[int, ...], config: Config, max_tokens: int, tally: Tally) -> None:
+def run_once(engine_: Engine, ids: tuple[int, ...], config: Config, max_tokens: int, tally: Tally,
+             compiled: bool = False) -> None:
     sampler = TEMPERATURES[config.temperature]
     gen = engine_.open(GenerationRequest(prompt=ids, sampler=sampler, mode=config.mode, depth=max(config.depth, 1),
-                                         max_tokens=max_tokens, seed=0, prefill_chunk=4096))
+                                         max_tokens=max_tokens, seed=0, prefill_chunk=4096, compiled=compiled))
     start = time.perf_counter()
     gen.step()  # the whole prompt (one chunk) and the first token
     first = time.perf_counter()
@@ -89,7 +92,7 @@ def configs(depths: list[int], temperature: str) -> list[Config]:
 
 
 def bench(engine_: Engine, prompts: list[str], depths: list[int], rounds: int, max_tokens: int,
-          progress=None) -> dict:
+          progress=None, compiled: bool = False) -> dict:
     tallies: dict[tuple, Tally] = {}
     encoded = [tuple(engine_.tokenizer.encode(p)) for p in prompts]
     mx.reset_peak_memory()
@@ -100,7 +103,7 @@ def bench(engine_: Engine, prompts: list[str], depths: list[int], rounds: int, m
             for config in plan:
                 for ids in encoded:
                     key = (config.mode, config.depth, config.temperature)
-                    run_once(engine_, ids, config, max_tokens, tallies.setdefault(key, Tally()))
+                    run_once(engine_, ids, config, max_tokens, tallies.setdefault(key, Tally()), compiled)
                     if progress:
                         progress.update(1)
     return report(engine_, tallies)
@@ -138,15 +141,27 @@ def machine() -> str:
     return f"{platform.system()} {platform.machine()}, {mx.default_device()}, BLAS {BLAS.library}"
 
 
-def run(model: str | None, prompts: int, rounds: int, max_tokens: int, depths: list[int], json_path: str | None) -> int:
+def run(model: str | None, prompts: int, rounds: int, max_tokens: int, depths: list[int], json_path: str | None,
+        profile: str | None = None, state_dir: Path | None = None) -> int:
+    """`state_dir`: store the measurement there, where the daemon's profiles read it."""
     from tqdm import tqdm
 
     engine_ = Engine.load(model or Path(engine.__file__).parent / "assets")
+    chosen = get_profile(profile) if profile else auto_profile(read_config(engine_.path))
     texts = held_out_prompts(prompts)
     n_configs = 2 * len(depths) if engine_.backend.n_heads else 1
     with tqdm(total=rounds * len(TEMPERATURES) * n_configs * len(texts), desc="bench", unit="run") as bar:
-        result = bench(engine_, texts, depths, rounds, max_tokens, bar)
+        result = bench(engine_, texts, depths, rounds, max_tokens, bar, compiled=chosen.compiled)
+    result["profile"] = chosen.name
     print_table(result)
+    if state_dir is not None and engine_.backend.n_heads:
+        detail = f"mtplxd bench: {len(texts)} prompts x {rounds} rounds x {max_tokens} tokens, depths {depths}"
+        calibration = Calibration.from_bench(result, time.time(), detail)
+        CalibrationStore(state_dir).put(engine_.path, calibration)
+        planner = DecodePlanner(chosen, engine_.backend.n_heads, calibration)
+        print(f"stored for this model and machine in {state_dir}: the {chosen.name} profile decodes with "
+              + ", ".join(f"{k}: {v['mode']}" + (f" depth {v['depth']}" if v["mode"] == "mtp" else "")
+                          for k, v in planner.describe().items() if k.startswith("t")))
     if json_path == "-":
         print(json.dumps(result, indent=2))
     elif json_path:

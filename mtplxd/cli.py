@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.profiles import PROFILE_NAMES
+
 
 @dataclass(frozen=True)
 class Command:
@@ -51,12 +53,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 # `start` flags that are settings (dest == Settings field); see mtplxd/config.py.
 _SETTING_FLAGS = {
-    "--model": dict(metavar="PATH", help="checkpoint folder (default: the embedded model)"),
+    "--model": dict(metavar="MODEL", help="checkpoint folder, name in the models folder or pulled "
+                    "repository id (default: the embedded model)"),
     "--host": dict(help="address to listen on (default 127.0.0.1; others need --api-key)"),
     "--port": dict(type=int, help="TCP port (default 8765; 0 picks a free one)"),
     "--state-dir": dict(metavar="DIR", help="pid, address, logs, caches (default: MTPLXD_HOME or the user state folder)"),
-    "--profile": dict(metavar="P", help="decoding profile"),
-    "--depth": dict(metavar="K", type=int, help="default speculative depth (default 2)"),
+    "--profile": dict(choices=PROFILE_NAMES, help="decoding profile (default: chosen from the model)"),
+    "--depth": dict(metavar="K", type=int, help="force a speculative depth (default: the profile's measured choice)"),
     "--api-key": dict(metavar="KEY", help="require this bearer token from clients"),
     "--log-level": dict(metavar="LEVEL", help="debug, info, warning, error (default info)"),
 }
@@ -103,7 +106,7 @@ def _start_detached(args: argparse.Namespace, settings) -> int:
     for flag in _SETTING_FLAGS:
         value = getattr(args, _dest(flag))
         if value is not None and flag not in ("--state-dir", "--api-key"):
-            child += [flag, str(value)]
+            child += [flag, str(settings.model if flag == "--model" else value)]  # the resolved folder
     if args.config:
         child += ["--config", args.config]
     # The key travels in the environment: a long-lived process's argv is public (ps).
@@ -199,7 +202,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", action="store_true",
                    help="time to first token of a ~2,000-token prompt: cold, warm from RAM, warm from disk "
                         "after a restart, and an 8-turn chat (the session bank)")
-    p.add_argument("--model", metavar="PATH", help="checkpoint (default: the embedded model)")
+    p.add_argument("--model", metavar="MODEL",
+                   help="checkpoint folder, models-folder name or pulled repository id (default: the embedded model)")
     p.add_argument("--requests", type=int, default=20, metavar="N", help="--serve: interactive requests per phase")
     p.add_argument("--prompts", type=int, default=4, metavar="N", help="held-out prompts per configuration")
     p.add_argument("--rounds", type=int, default=3, metavar="N", help="A B A B rounds over all configurations")
@@ -207,10 +211,23 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", default="1,2,3", metavar="K,K", help="MTP depths to compare with AR")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="also write the figures as JSON to FILE (stdout without FILE)")
+    p.add_argument("--profile", choices=PROFILE_NAMES,
+                   help="profile to measure (turbo: compiled sampling; default: chosen from the model)")
+    p.add_argument("--no-save", action="store_true",
+                   help="do not store the measurement (by default the daemon's profiles use it to pick the depth)")
 
 
 def _bench(args: argparse.Namespace) -> int:
     as_json = args.json is not None
+    if args.model:
+        from mtplxd.config import resolve_state_dir
+        from mtplxd.models import ModelError, resolve_model
+
+        try:
+            args.model = str(resolve_model(args.model, resolve_state_dir()))
+        except ModelError as e:
+            print(f"mtplxd bench: {e}", file=sys.stderr)
+            return 2
     if args.sessions:
         from mtplxd import bench_sessions
 
@@ -221,8 +238,12 @@ def _bench(args: argparse.Namespace) -> int:
         return bench_serve.run(args.model, args.requests, as_json)
     from mtplxd import bench
 
+    from mtplxd.config import resolve_state_dir
+
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
-    return bench.run(args.model, args.prompts, args.rounds, args.max_tokens, depths, args.json)
+    state_dir = None if args.no_save else resolve_state_dir()
+    return bench.run(args.model, args.prompts, args.rounds, args.max_tokens, depths, args.json,
+                     args.profile, state_dir)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -261,6 +282,22 @@ def _mcp(args: argparse.Namespace) -> int:
     return mcp_shim.main(args)
 
 
+def _models_command(adder: str, runner: str) -> tuple[Callable, Callable]:
+    """Arguments and run of a models_cmd subcommand, imported only when used."""
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        from mtplxd import models_cmd
+
+        getattr(models_cmd, adder)(p)
+
+    def run(args: argparse.Namespace) -> int:
+        from mtplxd import models_cmd
+
+        return getattr(models_cmd, runner)(args)
+
+    return add_arguments, run
+
+
 COMMANDS: dict[str, Command] = {
     "bench": Command(
         "AR against MTP at depths 1..3 on held-out code (decode tok/s, acceptance, speedup); "
@@ -295,6 +332,20 @@ COMMANDS: dict[str, Command] = {
         _train_args,
         _train,
     ),
+    "pull": Command(
+        "download a Hugging Face model with MTP heads and convert it (trunk 4/8-bit, heads kept) "
+        "into the models folder",
+        *_models_command("add_pull_arguments", "run_pull"),
+    ),
+    "convert": Command(
+        "convert a local checkpoint folder with MTP heads (trunk 4/8-bit, heads kept) into --out DIR",
+        *_models_command("add_convert_arguments", "run_convert"),
+    ),
+    "models": Command(
+        "list the models folder: name, family, heads, size, quantization, last used",
+        *_models_command("add_models_arguments", "run_models"),
+    ),
+    "rm": Command("remove a model from the models folder", *_models_command("add_rm_arguments", "run_rm")),
     "lsp": Command(
         "language server for editors on stdio: bridges to the daemon, starting it if none runs",
         _lsp_args,

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from engine.profiles import PROFILE_NAMES
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -73,9 +75,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8765
     state_dir: Path = field(default_factory=default_state_dir)
-    model: Path | None = None  # None: the embedded default model (engine/assets/)
-    profile: str | None = None
-    depth: int = 2
+    model: Path | None = None  # None: the embedded default model (engine/assets/); see _resolve_model
+    profile: str | None = None  # engine/profiles.py; None: chosen from the model
+    depth: int | None = None  # None: the profile's measured choice (engine/profiles.py)
     api_key: str | None = None
     max_active: int = 8
     max_queued: int = 64
@@ -87,11 +89,16 @@ class Settings:
     session_write_delay_ms: int = 2000  # a new entry waits this long before its background write
     session_write_bps: int = 0  # cap on background write speed, bytes/s (0: none)
     watch_workspaces: int = 8  # workspaces watched for changed files at once (0: none)
+    # Background calibration on a model's first start on this machine (mtplxd/calibrate.py):
+    # tokens per AR/MTP run; 0: none (decode with the profile's defaults until `mtplxd bench`).
+    calibrate_tokens: int = 32
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host: must not be empty")
         _check(0 <= self.port <= 65535, f"port: must be between 0 and 65535, got {self.port}")
-        _check(self.depth >= 1, f"depth: must be at least 1, got {self.depth}")
+        _check(self.depth is None or self.depth >= 1, f"depth: must be at least 1, got {self.depth}")
+        _check(self.profile is None or self.profile in PROFILE_NAMES,
+               f"profile: must be one of {', '.join(PROFILE_NAMES)}, got {self.profile!r}")
         _check(self.max_active >= 1, f"max_active: must be at least 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued: must not be negative, got {self.max_queued}")
         _check(
@@ -99,7 +106,7 @@ class Settings:
             f"interactive_reserve: must not be negative, got {self.interactive_reserve}",
         )
         for name in ("session_ram_bytes", "session_disk_bytes", "session_write_delay_ms", "session_write_bps",
-                     "watch_workspaces"):
+                     "watch_workspaces", "calibrate_tokens"):
             value = getattr(self, name)
             _check(value is None or value >= 0, f"{name}: must not be negative, got {value}")
         _check(
@@ -143,9 +150,9 @@ _KINDS = {
     "host": "str",
     "port": "int",
     "state_dir": "path",
-    "model": "path?",
+    "model": "model?",  # a path, a models-folder name or a pulled repository id
     "profile": "str?",
-    "depth": "int",
+    "depth": "int?",
     "api_key": "str?",
     "max_active": "int",
     "max_queued": "int",
@@ -156,6 +163,7 @@ _KINDS = {
     "session_write_delay_ms": "int",
     "session_write_bps": "int",
     "watch_workspaces": "int",
+    "calibrate_tokens": "int",
 }
 assert set(_KINDS) == {f.name for f in fields(Settings)}
 
@@ -178,7 +186,20 @@ def load_settings(
     values.update({k: _coerce(k, v, f"--{k.replace('_', '-')}") for k, v in given.items()})
     if "state_dir" not in values:
         values["state_dir"] = default_state_dir(env)
+    if "model" in values:
+        source = "--model" if "model" in given else "MTPLXD_MODEL" if env.get("MTPLXD_MODEL") else str(path)
+        values["model"] = _resolve_model(values["model"], values["state_dir"], source)
     return Settings(**values)
+
+
+def _resolve_model(value: str, state_dir: Path, source: str) -> Path:
+    """A path, a name in <state_dir>/models/ or a pulled repository id (mtplxd/models.py)."""
+    from mtplxd.models import ModelError, resolve_model
+
+    try:
+        return resolve_model(value, state_dir)
+    except ModelError as e:
+        raise ConfigError(f"{source}: model: {e}")
 
 
 def _config_path(config_file: Any, flags: Mapping[str, Any], env: Mapping[str, str]) -> tuple[Path, bool]:
@@ -231,4 +252,6 @@ def _coerce(name: str, value: Any, source: str, strict: bool = False) -> Any:
         raise ConfigError(f"{source}: {name}: expected a string, got {value!r}")
     if kind == "path":
         return Path(value).expanduser().absolute()
+    if kind == "model":  # resolved once the state dir is known (load_settings)
+        return str(value)
     return str(value).lower() if name == "log_level" else str(value)

@@ -27,10 +27,13 @@ from typing import Callable, NoReturn
 import anyio
 import uvicorn
 
+from engine.profiles import CalibrationStore
 from mtplxd import client
 from mtplxd.client import prepare_state_dir
 from mtplxd.config import Settings
-from mtplxd.scheduler import Scheduler, SchedulerLimits
+from mtplxd.calibrate import Calibrated, CalibrateRequest, calibration_prompt
+from mtplxd.jobs import Failed
+from mtplxd.scheduler import NotReady, Scheduler, SchedulerLimits
 from mtplxd.workspaces import WorkspaceRegistry, open_bank
 
 log = logging.getLogger("mtplxd.daemon")
@@ -80,9 +83,11 @@ class Daemon:
             interactive_reserve=settings.interactive_reserve,
             max_queued=settings.max_queued,
             default_depth=settings.depth,
+            profile=settings.profile,
         )
         self.scheduler = Scheduler(load_engine or partial(load_model, settings.model_path), limits,
-                                   bank=open_bank(settings))  # <state_dir>/sessions, flushed on shutdown
+                                   bank=open_bank(settings),  # <state_dir>/sessions, flushed on shutdown
+                                   calibrations=CalibrationStore(settings.state_dir))
         self.workspaces = WorkspaceRegistry(self.scheduler, settings.watch_workspaces, ignore=(settings.state_dir,))
         self.scheduler.workspaces = self.workspaces
         self.scheduler.on_workspace = self.workspaces.register
@@ -127,6 +132,7 @@ class Daemon:
             tg.start_soon(self._watch_signals)
             tg.start_soon(self._run_scheduler, scheduler_done)
             tg.start_soon(self._report_load)
+            tg.start_soon(self._calibrate)  # first start of this model here: measure AR vs MTP
             tg.start_soon(self._publish_address)
             tg.start_soon(serve_lsp, self.scheduler, self.settings)  # <state_dir>/lsp.sock for editors
             tg.start_soon(self.workspaces.run)  # watches workspaces, warms changed files
@@ -157,6 +163,29 @@ class Daemon:
             await self.scheduler.run()
         finally:
             done.set()
+
+    async def _calibrate(self) -> None:
+        """Queue a background calibration when the model has heads and no stored
+        measurement for this machine; store it and decode with it from then on."""
+        if self.settings.calibrate_tokens <= 0:
+            return
+        while self.scheduler.state == "loading":
+            await anyio.sleep(0.05)
+        planner, engine = self.scheduler.planner, self.scheduler.engine
+        if self.scheduler.state != "ready" or planner is None or planner.calibration is not None or not planner.n_heads:
+            return
+        request = CalibrateRequest(calibration_prompt(engine), max_tokens=self.settings.calibrate_tokens)
+        log.info("calibrating: AR against MTP depths 1-3 at background priority")
+        try:
+            async for event in self.scheduler.submit(request):
+                if isinstance(event, Calibrated):
+                    self.scheduler.calibrations.put(engine.path, event.calibration)
+                    self.scheduler.set_calibration(event.calibration)
+                    log.info("calibrated: %s", planner.describe())
+                elif isinstance(event, Failed):
+                    log.warning("calibration failed: %s", event.message)
+        except (NotReady, OSError) as e:  # shutting down, or the state dir is not writable
+            log.warning("calibration not stored: %s", e)
 
     async def _report_load(self) -> None:
         """Say in the log how the model load ended (the scheduler keeps it to /health)."""
@@ -218,8 +247,11 @@ def load_model(path: Path) -> object:
     """Runs on the scheduler's worker thread."""
     import engine  # noqa: F401  (sets up BLAS before mlx.core loads)
     from engine.engine import Engine
+    from mtplxd.models import touch_last_used
 
-    return Engine.load(path)
+    loaded = Engine.load(path)
+    touch_last_used(loaded.path)  # `mtplxd models` shows when each model was last used
+    return loaded
 
 
 # -- the state dir -----------------------------------------------------------------

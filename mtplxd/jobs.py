@@ -24,6 +24,7 @@ from typing import Literal
 
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
+from engine.profiles import DecodePlan
 from engine.sampling import SamplerSettings
 from engine.session_bank import SessionBank
 from engine.session_state import SnapshotMismatch
@@ -42,13 +43,14 @@ class TextRequest:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     sampler: SamplerSettings = SamplerSettings()
-    mode: Literal["ar", "mtp"] = "mtp"
-    depth: int | None = None  # None: the engine's default for this model
+    mode: Literal["ar", "mtp"] | None = None  # None: the profile's measured choice
+    depth: int | None = None  # None: the profile's measured choice for this model
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()
     priority: Priority = Priority.NORMAL
     ignore_eos: bool = False  # benchmarks: fixed-length outputs
     workspace: str | None = None  # absolute folder: the session-bank namespace (None: default)
+    profile: str | None = None  # engine/profiles.py; None: the daemon's
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class Done:
     mtp: MTPStats
     time_to_first_token_s: float
     decode_tokens_per_s: float
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
 
 @dataclass(frozen=True)
@@ -148,13 +151,15 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
         self.pending = ""
+        self.hit: str | None = None  # the stop string found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            i, self.hit = min(hits, key=lambda h: h[0])
+            out, self.pending = self.pending[:i], ""
             return out, True
         hold = max((_overlap(self.pending, s) for s in self.stops), default=0)
         cut = len(self.pending) - hold
@@ -174,10 +179,18 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
+# Special tokens that are part of the text all the same: tool-call and reasoning markers
+# (DeepSeek's <｜tool▁call▁begin｜>, some <think>s) carry structure the adapters parse.
+_MARKUP_WORDS = ("tool", "think")
+
+
 def special_token_ids(tokenizer) -> frozenset[int]:
-    """Ids of every special (control) token: named ones and special added tokens."""
+    """Ids of every special (control) token: named ones and special added tokens,
+    except tool-call and reasoning markers."""
     added = getattr(tokenizer, "added_tokens_decoder", {})
-    return frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+    special = frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+    markup = {i for i, t in added.items() if any(w in str(t.content).lower() for w in _MARKUP_WORDS)}
+    return special - markup
 
 
 def open_generation(engine: Engine, request: GenerationRequest, bank: SessionBank | None,
@@ -227,12 +240,12 @@ def _bank(bank: SessionBank | None) -> SessionBank | None:
 
 
 class TextJob:
-    def __init__(self, request: TextRequest, engine: Engine, default_depth: int, seed: int,
+    def __init__(self, request: TextRequest, engine: Engine, plan: DecodePlan, seed: int,
                  bank: SessionBank | None = None):
         self.started = time.perf_counter()  # time to first token counts the bank lookup and restore
         self.request = request
-        depth = request.depth or default_depth
-        mode = request.mode if engine.backend.n_heads else "ar"
+        self.plan = plan
+        depth, mode = plan.depth, plan.mode
         self.bank = _bank(bank)
         self.generation: Generation = open_generation(
             engine,
@@ -243,6 +256,8 @@ class TextJob:
                 depth=depth,
                 seed=seed,
                 max_tokens=request.max_tokens,
+                prefill_chunk=plan.prefill_chunk,
+                compiled=plan.compiled,
                 stop_token_ids=frozenset() if request.ignore_eos else frozenset(engine.tokenizer.eos_token_ids),
             ),
             self.bank,
@@ -299,6 +314,7 @@ class TextJob:
             mtp=self.mtp,
             time_to_first_token_s=first - self.started,
             decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+            stop_sequence=self.stops.hit if reason == "stop" else None,
         )
 
     def close(self) -> None:

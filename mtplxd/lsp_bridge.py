@@ -43,7 +43,7 @@ def _run(state_dir_flag: str | None, model: str | None) -> int:
     from mtplxd.config import ConfigError, load_settings
 
     try:
-        settings = load_settings({"state_dir": state_dir_flag})
+        settings = load_settings({"state_dir": state_dir_flag, "model": model})
     except ConfigError as e:
         _say(str(e))
         return 2
@@ -53,8 +53,7 @@ def _run(state_dir_flag: str | None, model: str | None) -> int:
     if sock is None:
         wait = RUNNING_WAIT_S
         if client.owner_pid(state_dir) is None:
-            start = ["--state-dir", str(state_dir)] + (["--model", str(Path(model).expanduser().absolute())]
-                                                       if model else [])
+            start = ["--state-dir", str(state_dir)] + (["--model", str(settings.model)] if model else [])
             code, message = client.spawn(state_dir, start, settings.api_key)
             # Another editor may have started one at the same moment: its daemon won the state dir.
             if code != 0 and client.owner_pid(state_dir) is None:

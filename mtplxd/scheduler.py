@@ -25,13 +25,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engine.checkpoint import CheckpointError, read_config
+from engine.profiles import (
+    Calibration, CalibrationStore, DecodePlan, DecodePlanner, auto_profile, get_profile,
+)
+from mtplxd.calibrate import CalibrateJob, CalibrateRequest
 from mtplxd.jobs import (
     EmbedJob,
     EmbedRequest,
@@ -62,7 +67,8 @@ class SchedulerLimits:
     max_active: int = 8  # generations open at once (each holds its caches)
     interactive_reserve: int = 2  # extra slots only interactive jobs may use
     max_queued: int = 64  # jobs waiting for a slot
-    default_depth: int = 2
+    default_depth: int | None = None  # forces this depth; None: the profile's measured choice
+    profile: str | None = None  # engine/profiles.py; None: chosen from the model
 
 
 @dataclass
@@ -106,9 +112,11 @@ class _Entry:
 
 class Scheduler:
     def __init__(self, load_engine: Callable[[], object], limits: SchedulerLimits = SchedulerLimits(),
-                 bank: object | None = None):
+                 bank: object | None = None, calibrations: CalibrationStore | None = None):
         self._load_engine = load_engine
         self.limits = limits
+        self.calibrations = calibrations  # measured depth choices per model and machine
+        self.planner: DecodePlanner | None = None  # set once the model has loaded
         self.bank = bank  # an engine.session_bank.SessionBank, bound once the model has loaded
         self.workspaces = None  # the daemon's workspace registry (mtplxd/workspaces.py), if any
         self.on_workspace: Callable[[str], None] | None = None
@@ -178,6 +186,7 @@ class Scheduler:
     def _worker(self) -> None:
         try:
             self.engine = self._load_engine()
+            self.planner = self._make_planner(self.engine)
             self._attach_bank()
             if self.state == "loading":
                 self.state = "ready"
@@ -190,6 +199,31 @@ class Scheduler:
             self._advance(entry)
         self.state = "stopped"
         self._fail_all("the daemon is shutting down", "shutdown")
+
+    def _make_planner(self, engine: Any) -> DecodePlanner:
+        n_heads = engine.backend.n_heads
+        if self.limits.profile:
+            profile = get_profile(self.limits.profile)
+        else:
+            profile = auto_profile(_config_of(engine))
+        calibration = None
+        if self.calibrations is not None and n_heads:
+            try:
+                calibration = self.calibrations.get(engine.path)
+            except OSError as e:  # unreadable weights or state dir: decode with the defaults
+                log.warning("calibration not read: %s", e)
+        return DecodePlanner(profile, n_heads, calibration, self.limits.default_depth)
+
+    def set_calibration(self, calibration: Calibration) -> None:
+        """A fresh measurement (the background calibration job): later requests use it."""
+        if self.planner is not None:
+            self.planner.calibration = calibration
+
+    def plan(self, request: TextRequest) -> DecodePlan:
+        """How `request` will decode (raises ValueError for an unknown profile)."""
+        if self.planner is None:
+            raise NotReady("the model has not loaded")
+        return self.planner.plan(request.sampler.temperature, request.profile, request.mode, request.depth)
 
     def _attach_bank(self) -> None:
         """Bind the session bank to the loaded model (fingerprint, layout, disk tier)."""
@@ -274,8 +308,10 @@ class Scheduler:
             return EmbedJob(request, self.engine)
         if isinstance(request, WarmRequest):
             return WarmJob(request, self.engine, self.bank)
+        if isinstance(request, CalibrateRequest):
+            return CalibrateJob(request, self.engine)
         seed = request.seed if request.seed is not None else random.getrandbits(31)
-        return TextJob(request, self.engine, self.limits.default_depth, seed, self.bank)
+        return TextJob(request, self.engine, self.plan(request), seed, self.bank)
 
     def _deliver(self, entry: _Entry, event: Event) -> None:
         if self.on_event is not None:
@@ -315,3 +351,10 @@ class Scheduler:
                 entry.job.close()
             self._deliver(entry, Failed(message, kind))
             self._close_stream(entry)
+
+
+def _config_of(engine: Any) -> dict:
+    try:
+        return read_config(engine.path)
+    except (AttributeError, TypeError, CheckpointError):  # a test double without a folder
+        return {}

@@ -51,6 +51,9 @@ def mtplxd_command() -> list[str]:
 
 def daemon_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MTPLXD_")}
+    # No background calibration (mtplxd/calibrate.py) unless a test asks for it: it would
+    # compete for the CPU and change the decoding mode mid-test.
+    env["MTPLXD_CALIBRATE_TOKENS"] = "0"
     env.update(extra or {})
     return env
 

@@ -40,7 +40,7 @@ def mode(path: Path) -> int:
 def test_defaults(tmp_path):
     s = load_settings({}, environ={"MTPLXD_HOME": str(tmp_path)})
     assert (s.host, s.port, s.state_dir, s.model, s.profile, s.depth, s.api_key) == (
-        "127.0.0.1", 8765, tmp_path, None, None, 2, None)
+        "127.0.0.1", 8765, tmp_path, None, None, None, None)  # profile and depth: measured per model
     assert (s.max_active, s.max_queued, s.interactive_reserve, s.log_level) == (8, 64, 2, "info")
     assert s.model_path.name == "assets"
 
@@ -55,10 +55,10 @@ def test_state_dir_resolution(tmp_path):
 
 
 def test_precedence_defaults_file_env_flags(tmp_path):
-    (tmp_path / "config.toml").write_text('port = 1111\ndepth = 3\nprofile = "fast"\nlog_level = "debug"\n')
+    (tmp_path / "config.toml").write_text('port = 1111\ndepth = 3\nprofile = "burst"\nlog_level = "debug"\n')
     env = {"MTPLXD_HOME": str(tmp_path), "MTPLXD_PORT": "2222", "MTPLXD_DEPTH": "4"}
     s = load_settings({"port": 3333}, environ=env)
-    assert (s.port, s.depth, s.profile, s.log_level, s.max_active) == (3333, 4, "fast", "debug", 8)
+    assert (s.port, s.depth, s.profile, s.log_level, s.max_active) == (3333, 4, "burst", "debug", 8)
     s = load_settings({}, environ=env)
     assert (s.port, s.depth) == (2222, 4)
     explicit = tmp_path / "other.toml"
@@ -78,6 +78,7 @@ def test_precedence_defaults_file_env_flags(tmp_path):
         ("", {}, {"port": 70000}, "port: must be between 0 and 65535"),
         ("", {"MTPLXD_LOG_LEVEL": "loud"}, {}, "log_level: must be one of"),
         ("", {}, {"depth": 0}, "depth: must be at least 1"),
+        ('profile = "warp"\n', {}, {}, "profile: must be one of sustained, burst, turbo"),
         ("max_active = true\n", {}, {}, "max_active: expected an integer"),
     ],
 )
@@ -256,7 +257,7 @@ async def test_health_reports_loading_then_ok(tmp_path, model):
     from mtplxd.daemon import Daemon, load_model
 
     gate = threading.Event()
-    daemon = Daemon(Settings(state_dir=tmp_path, port=0, model=model), lambda: gate.wait(20) and load_model(model))
+    daemon = Daemon(Settings(state_dir=tmp_path, port=0, model=model, calibrate_tokens=0), lambda: gate.wait(20) and load_model(model))
     async with anyio.create_task_group() as tg:
         tg.start_soon(daemon.serve)
         port = await _until(lambda: daemon.port)
@@ -277,7 +278,7 @@ async def test_shutdown_during_a_load_does_not_wait_for_it(tmp_path, model, monk
 
     monkeypatch.setattr(daemon_module, "LOADER_GRACE_S", 0.2)
     gate = threading.Event()
-    daemon = daemon_module.Daemon(Settings(state_dir=tmp_path, port=0, model=model), lambda: gate.wait(20))
+    daemon = daemon_module.Daemon(Settings(state_dir=tmp_path, port=0, model=model, calibrate_tokens=0), lambda: gate.wait(20))
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
         tg.start_soon(daemon.serve)

@@ -100,7 +100,7 @@ def daemon(checkpoint, folders, tmp_path_factory):
     """Started by the first `mtplxd mcp` session, as an agent's first session would."""
     state_dir = tmp_path_factory.mktemp("state")
     env = {"MTPLXD_HOME": str(state_dir), "MTPLXD_MODEL": str(checkpoint), "MTPLXD_API_KEY": KEY,
-           "MTPLXD_PORT": "0"}
+           "MTPLXD_PORT": "0", "MTPLXD_CALIBRATE_TOKENS": "0"}  # no background calibration (daemon_fixture)
     assert client.owner_pid(state_dir) is None
     first: dict = {}
 
@@ -476,7 +476,7 @@ async def test_calls_are_bounded_while_the_model_loads_and_while_it_generates(tm
 
     monkeypatch.setattr(adapter, "MODEL_WAIT_S", 0.3)
     gate = threading.Event()
-    daemon = Daemon(Settings(state_dir=tmp_path / "state", port=0, model=checkpoint),
+    daemon = Daemon(Settings(state_dir=tmp_path / "state", port=0, model=checkpoint, calibrate_tokens=0),
                     lambda: gate.wait(30) and load_model(checkpoint))
     async with anyio.create_task_group() as tg:
         tg.start_soon(daemon.serve)

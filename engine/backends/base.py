@@ -16,12 +16,37 @@ Shapes: tokens [1, L] int32, hidden [1, L, D], logits [1, L, V]. Batch is 1.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
+
+from engine.quantized import quantize_like_checkpoint
+
+# Set while converting a checkpoint: parameters stay lazy (memory-mapped from the
+# safetensors files) so that a model larger than memory streams through
+# quantization and saving shard by shard instead of being read in whole.
+_LAZY = ContextVar("lazy_load", default=False)
+
+
+@contextlib.contextmanager
+def lazy_loading() -> Iterator[None]:
+    token = _LAZY.set(True)
+    try:
+        yield
+    finally:
+        _LAZY.reset(token)
+
+
+def materialize(module: nn.Module) -> None:
+    """Load a module's parameters now, unless loading lazily."""
+    if not _LAZY.get():
+        mx.eval(module.parameters())
 
 
 @dataclass
@@ -96,12 +121,14 @@ class Backend:
 
 
 def build_trunk(model_class: type, args_class: type, config: dict, weights: dict) -> nn.Module:
-    """Instantiate mlx-lm's model for the trunk and load its (MTP-free) weights."""
+    """Instantiate mlx-lm's model for the trunk and load its (MTP-free) weights,
+    quantized layers included (engine/quantized.py)."""
     model = model_class(args_class.from_dict(config))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+    quantize_like_checkpoint(model, config, weights)
     model.load_weights(list(weights.items()), strict=True)
-    mx.eval(model.parameters())
+    materialize(model)
     return model
 
 
@@ -113,4 +140,4 @@ def load_head_weights(head: nn.Module, weights: dict[str, mx.array], prefix: str
         if k.startswith(prefix) and not k.endswith("rotary_emb.inv_freq")
     }
     head.load_weights(list(own.items()), strict=True)
-    mx.eval(head.parameters())
+    materialize(head)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Collection
 
 from engine.checkpoint import CheckpointError, read_config, text_config, weight_keys
 
@@ -125,7 +125,14 @@ def inspect_checkpoint(folder: Path) -> InspectReport:
     config = read_config(folder)
     if not isinstance(config.get("model_type"), str) or not config["model_type"]:
         raise CheckpointError(f"{folder / 'config.json'}: no model_type")
-    keys = weight_keys(folder)
+    return inspect_keys(config, weight_keys(folder))
+
+
+def inspect_keys(config: dict[str, Any], keys: Collection[str]) -> InspectReport:
+    """Classify a checkpoint from its config and tensor names alone (for instance the
+    weight_map of a repository's index, before its weights are downloaded)."""
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise CheckpointError("config.json: no model_type")
     descriptor = find_descriptor(config)
     if descriptor is None:
         return _without_family(config, keys)
@@ -188,7 +195,7 @@ _MTP_HINT = re.compile(r"(^|\.)(mtp|mtp_layers)\.|\.(enorm|hnorm|eh_proj)\.")
 _MTP_HINT_TEXT = "mtp.*, *.mtp.*, *.mtp_layers.*, *.enorm.*, *.hnorm.*, *.eh_proj.*"
 
 
-def _without_family(config: dict[str, Any], keys: dict[str, Path]) -> InspectReport:
+def _without_family(config: dict[str, Any], keys: Collection[str]) -> InspectReport:
     declared = config["model_type"]
     built = mlx_model_type(config)
     if not mlx_lm_can_build(built):
@@ -218,7 +225,7 @@ class _Heads:
     shared: set[str]  # keys under root outside layers (relative)
 
 
-def _scan(pattern: str, n_layers: int, keys: dict[str, Path], with_shared: bool) -> _Heads:
+def _scan(pattern: str, n_layers: int, keys: Collection[str], with_shared: bool) -> _Heads:
     slot = _SLOT.search(pattern)
     before, after, offset = pattern[: slot.start()], pattern[slot.end():], slot.group(1) is not None
     regex = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
@@ -244,7 +251,7 @@ def _missing(required: tuple[str, ...], present: set[str]) -> list[str]:
     return [part for part in required if not has(part)]
 
 
-def _with_family(d: BackendDescriptor, config: dict[str, Any], keys: dict[str, Path]) -> InspectReport:
+def _with_family(d: BackendDescriptor, config: dict[str, Any], keys: Collection[str]) -> InspectReport:
     tc = text_config(config)
     n_layers = tc.get("num_hidden_layers")
     if any("{n+i}" in p for p in d.head_key_patterns) and not isinstance(n_layers, int):
@@ -295,3 +302,25 @@ def _incomplete(d: BackendDescriptor, found: _Heads) -> str | None:
     if missing:
         return "MTP head is incomplete: missing " + ", ".join(found.root + m for m in missing)
     return None
+
+
+def head_key_predicate(d: BackendDescriptor, n_layers: int) -> Callable[[str], bool]:
+    """Whether a tensor name belongs to an MTP head of family `d` (its layers or,
+    for Qwen, the parts shared beside them)."""
+    rules = []
+    for pattern in d.head_key_patterns:
+        slot = _SLOT.search(pattern)
+        before, after = pattern[: slot.start()], pattern[slot.end():]
+        regex = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+        first = n_layers if slot.group(1) else 0  # appended layers count after the trunk's
+        root = before.rsplit("layers.", 1)[0] if d.shared_parts else None
+        rules.append((regex, first, root))
+
+    def is_head_key(key: str) -> bool:
+        for regex, first, root in rules:
+            m = regex.match(key)
+            if (m and int(m.group(1)) >= first) or (root and key.startswith(root)):
+                return True
+        return False
+
+    return is_head_key

@@ -14,9 +14,9 @@ trunk is built, and prepared separately.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx.nn as nn
 
+from engine.backends.base import materialize
 from engine.checkpoint import CheckpointError
 
 LAYER_PREFIX = "model.layers."
@@ -85,6 +85,6 @@ def load_heads(trunk: nn.Module, head_class: type, heads: list[dict]) -> list[nn
     for i, layer_weights in enumerate(heads):
         head = head_class(trunk.args, n + i)
         head.load_weights(list(prepare_head_weights(trunk, layer_weights).items()), strict=True)
-        mx.eval(head.parameters())
+        materialize(head)
         built.append(head)
     return built

@@ -34,9 +34,9 @@ from engine.backends.base import Backend, Tape, build_trunk
 from engine.backends.qwen3_next import (
     build_heads,
     head_indices,
+    head_needs_shift,
     shift_norms,
     stack_experts,
-    trunk_was_shifted,
 )
 from engine.checkpoint import text_config
 
@@ -149,7 +149,7 @@ def load(folder: Path, config: dict, weights: dict) -> Qwen3_5Backend:
     for k in head_indices(head):
         unfuse_experts(head, f"layers.{k}.mlp.")
         stack_experts(head, f"layers.{k}.mlp.", args.num_experts)
-    if trunk_was_shifted(stored_final_norm(trunk_weights), trunk.language_model.model.norm.weight):
+    if head_needs_shift(config, stored_final_norm(trunk_weights), trunk.language_model.model.norm.weight):
         shift_norms(head)
     family = "qwen3_5_moe" if moe else "qwen3_5"
     return Qwen3_5Backend(family, trunk, build_heads(lambda: MTPLayer(args), head))

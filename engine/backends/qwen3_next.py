@@ -21,6 +21,8 @@ Decisions:
   the head norms are shifted here, once, and only when mlx-lm shifted the
   trunk (checked by comparing the loaded final norm with the stored one), so
   trunk and head always agree. `linear_attn.norm` is a plain RMSNorm: never.
+  A folder written by `mtplxd convert` stores both already shifted, in mlx-lm's
+  layout, and records so in config.json (head_needs_shift).
 - The head count comes from the `mtp.layers.{i}` keys: the released config
   has no MTP count field.
 """
@@ -37,6 +39,7 @@ from mlx_lm.models import qwen3_next
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
+from engine.checkpoint import CheckpointError, conversion_record
 
 HEAD_PREFIX = "mtp."
 # Module names of Qwen's zero-centred norms inside the head (relative to `mtp.`).
@@ -141,6 +144,20 @@ def trunk_was_shifted(stored_norm: mx.array, loaded_norm: mx.array) -> bool:
     return not mx.array_equal(stored_norm, loaded_norm).item()
 
 
+def head_needs_shift(config: dict, stored_norm: mx.array, loaded_norm: mx.array) -> bool:
+    """Shift the head norms exactly when mlx-lm shifted the trunk's, unless mtplxd's
+    converter already stored them shifted (it records that in config.json). A converted
+    trunk is in mlx-lm's own layout, which mlx-lm never shifts again; if it did, trunk
+    and head would both carry the +1 twice, which collapses acceptance: refuse."""
+    shifted_now = trunk_was_shifted(stored_norm, loaded_norm)
+    if conversion_record(config).get("norm_shift_applied"):
+        if shifted_now:
+            raise CheckpointError("config.json says the Qwen norm shift was applied at conversion, "
+                                  "but mlx-lm shifted the trunk again: reconvert from the original")
+        return False
+    return shifted_now
+
+
 def layer_weights(head: dict, k: int) -> dict:
     """Head k's tensors: layer k's own plus the shared fc / pre-fc norms / final norm."""
     own = {key[len(f"layers.{k}."):]: v for key, v in head.items() if key.startswith(f"layers.{k}.")}
@@ -166,7 +183,7 @@ def load(folder: Path, config: dict, weights: dict) -> Qwen3NextBackend:
     args = trunk.args
     for k in head_indices(head):
         stack_experts(head, f"layers.{k}.mlp.", args.num_experts)
-    if trunk_was_shifted(weights["model.norm.weight"], trunk.model.norm.weight):
+    if head_needs_shift(config, weights["model.norm.weight"], trunk.model.norm.weight):
         shift_norms(head)
     moe = any(k.endswith("mlp.gate.weight") for k in head)
     return Qwen3NextBackend(trunk, build_heads(lambda: MTPLayer(args, moe), head))

@@ -10,6 +10,7 @@ data position, settings). `<out>/train_state/log.jsonl` has one line per step.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 import threading
@@ -25,7 +26,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.training.data import Batches
-from engine.training.model import save_safetensors, write_json
+from engine.training.model import save_safetensors, training_attention, write_json
 
 STATE_DIR = "train_state"
 
@@ -69,12 +70,21 @@ class TrainResult:
     evals: list[dict]
 
 
-def schedule(s: LoopSettings):
+def learning_rate(s: LoopSettings, step: int, elapsed_s: float) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio.
+
+    The decay follows whichever runs out first, the steps or the time budget,
+    so a run stopped by --max-minutes still ends with a fully decayed rate
+    (a cosine cut off half way leaves a noticeably worse model).
+    """
     warmup = s.warmup if s.warmup is not None else min(100, s.steps // 10)
-    decay = optim.cosine_decay(s.lr, max(1, s.steps - warmup), s.lr * s.min_lr_ratio)
-    if warmup <= 0:
-        return decay
-    return optim.join_schedules([optim.linear_schedule(s.lr / warmup, s.lr, warmup), decay], [warmup])
+    if step < warmup:
+        return s.lr * (step + 1) / warmup
+    done = (step - warmup) / max(1, s.steps - warmup)
+    if s.max_minutes:
+        done = max(done, elapsed_s / (60 * s.max_minutes))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * cosine)
 
 
 def read_state(out: Path) -> dict | None:
@@ -156,7 +166,7 @@ def _run(job: Job, s: LoopSettings, resume: bool,
     state_dir = job.out / STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
     module = job.module
-    opt = optim.AdamW(learning_rate=schedule(s), weight_decay=s.weight_decay)
+    opt = optim.AdamW(learning_rate=s.lr, weight_decay=s.weight_decay)
     opt.init(module.trainable_parameters())
     step = 0
     if resume:
@@ -191,9 +201,10 @@ def _run(job: Job, s: LoopSettings, resume: bool,
         log.flush()
 
     try:
-        with _Interrupts() as interrupts:
+        with _Interrupts() as interrupts, training_attention():
             while step < s.steps:
                 t = time.perf_counter()
+                opt.learning_rate = learning_rate(s, step, t - started)
                 x = mx.array(job.batches.get(step * job.batches.batch))
                 loss, parts = train_step(x)
                 mx.eval(loss, parts, module.trainable_parameters(), opt.state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -28,34 +29,45 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CHARS = list(string.ascii_lowercase + string.digits + " \n_():=.,+-*[]'\"#")
+# The tools variant (tests/checkpoints/tools.py) also writes JSON, tags and capitals.
+TOOL_CHARS = CHARS + list(string.ascii_uppercase + "{}<>/|!?;&%$@^~`\\")
+# Tool-call and reasoning markers: added tokens, not special (they are part of the text,
+# as in Qwen's tokenizers).
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 
 
 def tokenizer_vocab_size(n_chars: int = len(CHARS)) -> int:
     return len(SPECIAL_TOKENS) + 1 + n_chars  # + <unk>
 
 
-def write_tokenizer(folder: Path, n_chars: int = len(CHARS)) -> None:
-    """A character-level tokenizer with FIM and chat special tokens.
+def write_tokenizer(folder: Path, n_chars: int = len(CHARS), *, chars: list[str] | None = None,
+                    added: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE, split: str = ".") -> int:
+    """A character-level tokenizer with FIM and chat special tokens; returns its size.
 
     `n_chars` keeps only the first characters: a smaller vocabulary makes
-    exact enumeration of output distributions cheap in tests.
+    exact enumeration of output distributions cheap in tests. `chars` replaces
+    the character set, `added` adds (non-special) multi-character tokens. `split`
+    is the pre-tokenizer's pattern for one character ("." leaves runs of newlines
+    whole, and unknown; the tools variant uses "[\\s\\S]").
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ["<unk>"] + CHARS[:n_chars])}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ["<unk>"] + (chars or CHARS[:n_chars]))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
         unk_token="<unk>",
         pad_token="<|endoftext|>",
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(folder))
+    return len(fast)
 
 
 def write_config(folder: Path, config: dict) -> None:

@@ -64,7 +64,13 @@ def write_checkpoint(
         save_tensors(folder / "mtp.safetensors", heads)
     else:
         save_tensors(folder / "model.safetensors", {**trunk, **heads})
-    write_config(folder, {
+    write_config(folder, config(vocab, mtp_heads))
+    write_tokenizer(folder, n_chars)
+    return folder
+
+
+def config(vocab: int, mtp_heads: int) -> dict:
+    return {
         "architectures": ["MiMoForCausalLM"],
         "model_type": "mimo",
         "hidden_size": D,
@@ -79,6 +85,4 @@ def write_checkpoint(
         "tie_word_embeddings": False,
         "num_nextn_predict_layers": mtp_heads,
         "torch_dtype": "float32",
-    })
-    write_tokenizer(folder, n_chars)
-    return folder
+    }

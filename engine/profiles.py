@@ -1,0 +1,227 @@
+"""Decode profiles, and the measured choice of MTP depth per model and machine.
+
+A profile is a small typed object; the daemon picks one for the model it
+loads (`auto_profile`) unless `--profile` or a request names another:
+
+    sustained  the default: long contexts, chunked prefill (bounded memory per
+               step, so other requests interleave), depth up to 2
+    burst      short contexts, lowest latency: big prefill chunks, depth up to 3
+    turbo      quantized models: compiled sampling and verification, the deepest
+               profitable depth (up to 3)
+
+Which depth a profile decodes with is not guessed: `mtplxd bench` (or the
+daemon's own background calibration) measures AR against MTP at each depth
+and temperature, and the result is stored per model and machine in
+`<state_dir>/calibration.json`. `Calibration.choose` then takes the fastest
+measured configuration within the profile's depth limit, and AR whenever
+no MTP depth beat AR: a profile is never slower than plain decoding on the
+machine it was measured on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+PROFILE_NAMES = ("sustained", "burst", "turbo")
+CALIBRATION_FILE = "calibration.json"
+# Temperatures a calibration measures; a request uses the nearest one.
+MEASURED_TEMPERATURES = {"t0": 0.0, "t0.6": 0.6}
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    prefill_chunk: int  # prompt tokens per scheduler step
+    max_depth: int  # deepest MTP depth the profile may choose
+    compiled: bool  # mx.compile the sampling and verification of a cycle
+    default_depth: int  # used until a calibration exists for this model and machine
+
+    def describe(self) -> str:
+        return (f"{self.name}: prefill chunk {self.prefill_chunk}, depth <= {self.max_depth}"
+                f"{', compiled sampling' if self.compiled else ''}")
+
+
+PROFILES = {
+    "sustained": Profile("sustained", prefill_chunk=512, max_depth=2, compiled=False, default_depth=2),
+    "burst": Profile("burst", prefill_chunk=2048, max_depth=3, compiled=False, default_depth=1),
+    "turbo": Profile("turbo", prefill_chunk=512, max_depth=3, compiled=True, default_depth=3),
+}
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown profile {name!r}; choose one of {', '.join(PROFILE_NAMES)}") from None
+
+
+def auto_profile(config: dict) -> Profile:
+    """Quantized trunks are memory-bound and cheap per step, which is where a deep,
+    compiled cycle pays; everything else gets the safe default."""
+    quantized = isinstance(config.get("quantization") or config.get("quantization_config"), dict)
+    return PROFILES["turbo" if quantized else "sustained"]
+
+
+@dataclass(frozen=True)
+class DepthChoice:
+    mode: Literal["ar", "mtp"]
+    depth: int  # 0 for AR
+    speedup: float | None  # measured MTP/AR decode speed; None: not measured
+    source: Literal["measured", "default"]
+
+
+@dataclass
+class Calibration:
+    """Measured decode speedups: temperature key -> {depth: MTP tok/s over AR tok/s}."""
+
+    speedups: dict[str, dict[int, float]] = field(default_factory=dict)
+    measured_at: float = 0.0
+    detail: str = ""  # how it was measured (command, prompts, tokens)
+
+    @classmethod
+    def from_bench(cls, result: dict, measured_at: float, detail: str) -> Calibration:
+        """From a `mtplxd bench` report (its `runs`)."""
+        speedups: dict[str, dict[int, float]] = {}
+        for key, t in MEASURED_TEMPERATURES.items():
+            runs = [r for r in result["runs"] if r["temperature"] == t]
+            ar = next((r["decode_tok_s"] for r in runs if r["mode"] == "ar"), None)
+            if ar:
+                speedups[key] = {r["depth"]: round(r["decode_tok_s"] / ar, 3) for r in runs if r["mode"] == "mtp"}
+        return cls(speedups, measured_at, detail)
+
+    def choose(self, profile: Profile, temperature: float, n_heads: int) -> DepthChoice:
+        if n_heads == 0:
+            return DepthChoice("ar", 0, None, "default")
+        measured = self.speedups.get(_nearest_key(temperature))
+        if not measured:
+            return DepthChoice("mtp", profile.default_depth, None, "default")
+        allowed = {d: s for d, s in measured.items() if d <= profile.max_depth}
+        if not allowed:
+            return DepthChoice("mtp", profile.default_depth, None, "default")
+        depth, speedup = max(allowed.items(), key=lambda kv: (kv[1], -kv[0]))
+        if speedup <= 1.0:
+            return DepthChoice("ar", 0, speedup, "measured")
+        return DepthChoice("mtp", depth, speedup, "measured")
+
+    def to_json(self) -> dict:
+        return {"speedups": {t: {str(d): s for d, s in by.items()} for t, by in self.speedups.items()},
+                "measured_at": self.measured_at, "detail": self.detail}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Calibration:
+        speedups = {t: {int(d): float(s) for d, s in by.items()} for t, by in data["speedups"].items()}
+        return cls(speedups, float(data.get("measured_at", 0.0)), str(data.get("detail", "")))
+
+
+def _nearest_key(temperature: float) -> str:
+    return min(MEASURED_TEMPERATURES, key=lambda k: abs(MEASURED_TEMPERATURES[k] - temperature))
+
+
+def machine_id() -> str:
+    """What makes timings comparable: OS, CPU architecture and count, MLX device."""
+    import mlx.core as mx
+
+    return f"{platform.system()}-{platform.machine()}-{os.cpu_count()}cpu-{mx.default_device()}"
+
+
+def model_id(folder: Path) -> str:
+    """config.json and a cheap digest of every weight file (engine/session_mlx.py)."""
+    from engine.session_mlx import weights_digest
+
+    h = hashlib.sha256()
+    config = folder / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(folder.glob("*.safetensors")):
+        h.update(path.name.encode())
+        h.update(weights_digest(path))
+    return h.hexdigest()[:32]
+
+
+class CalibrationStore:
+    """`<state_dir>/calibration.json`: one Calibration per (model, machine)."""
+
+    def __init__(self, state_dir: Path):
+        self.path = Path(state_dir) / CALIBRATION_FILE
+
+    @staticmethod
+    def key(model_folder: Path) -> str:
+        return f"{model_id(Path(model_folder))}@{machine_id()}"
+
+    def get(self, model_folder: Path) -> Calibration | None:
+        entry = self._read().get(self.key(model_folder))
+        try:
+            return Calibration.from_json(entry) if entry else None
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None  # a hand-edited or older file: measure again
+
+    def put(self, model_folder: Path, calibration: Calibration) -> None:
+        data = self._read()
+        data[self.key(model_folder)] = calibration.to_json()
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.path)
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one request decodes."""
+
+    profile: str
+    mode: Literal["ar", "mtp"]
+    depth: int  # MTP depth (for AR, what a later MTP request would use; unused)
+    prefill_chunk: int
+    compiled: bool
+    source: Literal["request", "measured", "default"]
+
+
+@dataclass
+class DecodePlanner:
+    """The daemon's profile and its model's calibration, turned into per-request plans."""
+
+    profile: Profile
+    n_heads: int
+    calibration: Calibration | None = None
+    forced_depth: int | None = None  # `--depth`: the operator's choice beats the measurement
+
+    def plan(self, temperature: float, profile: str | None = None, mode: str | None = None,
+             depth: int | None = None) -> DecodePlan:
+        chosen = get_profile(profile) if profile else self.profile
+        fixed = depth or self.forced_depth
+        if self.n_heads == 0:
+            return DecodePlan(chosen.name, "ar", 0, chosen.prefill_chunk, False, "default")
+        if mode is not None or fixed is not None:
+            pick = self._choice(chosen, temperature)
+            mode = mode or "mtp"
+            d = fixed or (pick.depth if pick.mode == "mtp" else chosen.default_depth)
+            return DecodePlan(chosen.name, mode, d, chosen.prefill_chunk, chosen.compiled, "request")
+        pick = self._choice(chosen, temperature)
+        d = pick.depth if pick.mode == "mtp" else chosen.default_depth
+        return DecodePlan(chosen.name, pick.mode, d, chosen.prefill_chunk, chosen.compiled, pick.source)
+
+    def _choice(self, profile: Profile, temperature: float) -> DepthChoice:
+        if self.calibration is None:
+            return DepthChoice("mtp", profile.default_depth, None, "default")
+        return self.calibration.choose(profile, temperature, self.n_heads)
+
+    def describe(self) -> dict:
+        """For /health and the MCP status tool."""
+        out = {"profile": self.profile.name, "calibrated": self.calibration is not None}
+        for key, t in MEASURED_TEMPERATURES.items():
+            plan = self.plan(t)
+            out[key] = {"mode": plan.mode, "depth": plan.depth if plan.mode == "mtp" else 0, "source": plan.source}
+        return out

@@ -1,0 +1,199 @@
+"""Profiles and the measured depth choice (engine/profiles.py), through the engine,
+`mtplxd bench` and the daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import engine  # noqa: F401  (BLAS before mlx)
+import httpx
+import mlx.core as mx
+import pytest
+from openai import OpenAI
+
+from engine.engine import Engine
+from engine.profiles import (
+    PROFILES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
+)
+from engine.sampling import SamplerSettings
+from engine.speculative import compiled_verify, verify
+from mtplxd import bench
+from tests.checkpoints import write
+from tests.daemon_fixture import running_daemon
+from tests.engine_helpers import run
+
+SUSTAINED, BURST, TURBO = PROFILES["sustained"], PROFILES["burst"], PROFILES["turbo"]
+
+
+@pytest.fixture(scope="module")
+def mimo_folder(tmp_path_factory):
+    return write("mimo", tmp_path_factory.mktemp("profiles") / "mimo", mtp_heads=2)
+
+
+# -- choosing ----------------------------------------------------------------------------
+
+
+def test_choice_is_the_fastest_measured_depth_within_the_profile():
+    cal = Calibration({"t0": {1: 1.2, 2: 1.5, 3: 1.7}, "t0.6": {1: 1.1, 2: 1.05, 3: 0.9}})
+    assert cal.choose(TURBO, 0.0, n_heads=2).depth == 3  # turbo goes to depth 3
+    assert cal.choose(SUSTAINED, 0.0, n_heads=2).depth == 2  # sustained stops at 2
+    hot = cal.choose(BURST, 0.7, n_heads=2)  # nearest measured temperature: 0.6
+    assert (hot.mode, hot.depth, hot.speedup, hot.source) == ("mtp", 1, 1.1, "measured")
+
+
+def test_ar_is_chosen_when_no_depth_beats_it():
+    cal = Calibration({"t0": {1: 0.97, 2: 0.8}, "t0.6": {1: 1.3}})
+    assert cal.choose(SUSTAINED, 0.0, n_heads=1).mode == "ar"
+    assert cal.choose(SUSTAINED, 1.0, n_heads=1).mode == "mtp"
+
+
+def test_without_a_measurement_the_profile_default_applies():
+    assert Calibration().choose(BURST, 0.0, n_heads=2).source == "default"
+    planner = DecodePlanner(BURST, n_heads=2)
+    assert planner.plan(0.0).depth == BURST.default_depth and planner.plan(0.0).mode == "mtp"
+    assert DecodePlanner(SUSTAINED, n_heads=0).plan(0.0).mode == "ar"  # no heads: always AR
+
+
+def test_request_and_operator_choices_beat_the_measurement():
+    cal = Calibration({"t0": {1: 0.5, 2: 0.6}})  # MTP loses: AR by default
+    planner = DecodePlanner(SUSTAINED, n_heads=2, calibration=cal)
+    assert planner.plan(0.0).mode == "ar"
+    assert planner.plan(0.0, mode="mtp").mode == "mtp"  # the client asked for MTP
+    assert planner.plan(0.0, depth=1).depth == 1 and planner.plan(0.0, depth=1).source == "request"
+    assert planner.plan(0.0, profile="burst").prefill_chunk == BURST.prefill_chunk
+    assert DecodePlanner(SUSTAINED, 2, cal, forced_depth=2).plan(0.0).mode == "mtp"  # --depth
+    with pytest.raises(ValueError, match="unknown profile"):
+        planner.plan(0.0, profile="warp")
+
+
+def test_auto_profile_follows_the_model():
+    assert auto_profile({"model_type": "mimo"}) is SUSTAINED
+    assert auto_profile({"quantization": {"group_size": 64, "bits": 4}}) is TURBO
+    assert get_profile("burst") is BURST
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+def test_store_is_per_model_private_and_survives_bad_files(tmp_path, mimo_folder):
+    store = CalibrationStore(tmp_path / "state")
+    assert store.get(mimo_folder) is None
+    cal = Calibration({"t0": {1: 1.25}}, measured_at=1.0, detail="test")
+    store.put(mimo_folder, cal)
+    assert store.get(mimo_folder) == cal
+    assert oct(store.path.stat().st_mode & 0o777) == "0o600"
+    other = write("mimo", tmp_path / "other", mtp_heads=2, seed=5)  # other weights, same config
+    assert store.get(other) is None
+    store.path.write_text("{not json")
+    assert store.get(mimo_folder) is None  # a broken file means "measure again", not a crash
+
+
+# -- measured by the real bench ----------------------------------------------------------
+
+
+def test_bench_report_becomes_a_calibration(mimo_folder):
+    eng = Engine.load(mimo_folder)
+    result = bench.bench(eng, ["def f(x):\n    return x\n"], [1, 2], rounds=1, max_tokens=6)
+    cal = Calibration.from_bench(result, 0.0, "test")
+    for key, t in (("t0", 0.0), ("t0.6", 0.6)):
+        runs = [r for r in result["runs"] if r["temperature"] == t]
+        ar = next(r["decode_tok_s"] for r in runs if r["mode"] == "ar")
+        for r in (r for r in runs if r["mode"] == "mtp"):
+            assert cal.speedups[key][r["depth"]] == pytest.approx(r["decode_tok_s"] / ar, abs=1e-3)
+    assert set(cal.speedups["t0"]) == {1, 2}
+
+
+def test_bench_command_stores_what_the_daemon_reads(tmp_path, mimo_folder):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTPLXD_")}
+    env["MTPLXD_STATE_DIR"] = str(tmp_path / "state")
+    out = subprocess.run([str(Path(sys.executable).with_name("mtplxd")), "bench", "--model", str(mimo_folder),
+                          "--prompts", "1", "--rounds", "1", "--max-tokens", "4", "--depths", "1",
+                          "--json", str(tmp_path / "bench.json")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stored = CalibrationStore(tmp_path / "state").get(mimo_folder)
+    assert stored is not None and set(stored.speedups) == {"t0", "t0.6"}
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["profile"] == "sustained" and report["speedup"]["t0"] is not None
+
+
+# -- turbo: compiled sampling and verification ------------------------------------------
+
+
+def test_compiled_verify_matches_the_eager_sampler():
+    for seed in range(20):
+        mx.random.seed(seed)
+        p = mx.softmax(mx.random.normal((1, 3, 11)) * 2, axis=-1)
+        q = mx.softmax(mx.random.normal((1, 2, 11)) * 2, axis=-1)
+        drafts = mx.random.randint(0, 11, (1, 2))
+        key = mx.random.key(seed)
+        a, b = verify(p, q, drafts, key), compiled_verify(p, q, drafts, key)
+        assert a[0].item() == b[0].item() and a[1].item() == b[1].item()
+
+
+def test_compiled_generation_equals_eager(mimo_folder):
+    eng = Engine.load(mimo_folder)
+    hot = SamplerSettings(temperature=0.8, top_p=0.9)
+    for sampler in (SamplerSettings(temperature=0.0), hot):
+        eager, _, _ = run(eng, [3, 4, 5], sampler=sampler, depth=2, max_tokens=24, seed=7)
+        fused, _, _ = run(eng, [3, 4, 5], sampler=sampler, depth=2, max_tokens=24, seed=7, compiled=True)
+        assert fused == eager
+
+
+# -- through the daemon ------------------------------------------------------------------
+
+
+def test_daemon_decodes_with_the_measured_choice(tmp_path, mimo_folder):
+    state = tmp_path / "state"
+    # A measurement in which MTP loses at T=0 and wins at T=0.6 (depth 1).
+    CalibrationStore(state).put(mimo_folder, Calibration({"t0": {1: 0.8, 2: 0.9}, "t0.6": {1: 1.4, 2: 1.2}}))
+    with running_daemon(state, mimo_folder) as daemon:
+        client = OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused")
+        health = httpx.get(f"{daemon.base_url}/health").json()
+        assert health["decoding"]["profile"] == "sustained" and health["decoding"]["t0"]["mode"] == "ar"
+        cold = client.completions.create(model="default", prompt="abc", max_tokens=8, temperature=0)
+        assert cold.model_extra["mtp"]["depth"] == 0  # AR: MTP measured slower here
+        hot = client.completions.create(model="default", prompt="abc", max_tokens=8, temperature=0.6)
+        assert hot.model_extra["mtp"]["depth"] == 1
+        asked = client.completions.create(model="default", prompt="abc", max_tokens=8, temperature=0,
+                                          extra_body={"generation_mode": "mtp"})
+        assert asked.model_extra["mtp"]["depth"] == 2  # sustained's default depth for a forced MTP
+        assert asked.choices[0].text == cold.choices[0].text  # exact: same greedy text either way
+        turbo = client.completions.create(model="default", prompt="abc", max_tokens=8, temperature=0.6,
+                                          extra_body={"profile": "turbo"})
+        assert turbo.model_extra["mtp"]["depth"] == 1  # measured best, turbo may go deeper but 1 won
+        with pytest.raises(Exception) as bad:
+            client.completions.create(model="default", prompt="abc", max_tokens=4, extra_body={"profile": "warp"})
+        assert getattr(bad.value, "status_code", None) == 400 and "profile" in str(bad.value)
+
+
+def test_start_refuses_an_unknown_profile(tmp_path, mimo_folder):
+    out = subprocess.run([str(Path(sys.executable).with_name("mtplxd")), "start", "--model", str(mimo_folder),
+                          "--state-dir", str(tmp_path / "s"), "--profile", "warp"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "warp" in out.stderr
+
+
+def test_daemon_calibrates_in_the_background_once(tmp_path, mimo_folder):
+    state = tmp_path / "state"
+    env = {"MTPLXD_CALIBRATE_TOKENS": "4"}
+    with running_daemon(state, mimo_folder, env=env) as daemon:
+        client = OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused")
+        # Requests are served while the calibration runs at background priority.
+        assert client.completions.create(model="default", prompt="abc", max_tokens=4).usage.completion_tokens > 0
+        deadline = time.monotonic() + 120
+        while not httpx.get(f"{daemon.base_url}/health").json()["decoding"]["calibrated"]:
+            assert time.monotonic() < deadline, "the calibration never finished"
+            time.sleep(0.2)
+    stored = CalibrationStore(state).get(mimo_folder)
+    assert stored is not None and set(stored.speedups) == {"t0", "t0.6"}
+    assert set(stored.speedups["t0"]) == {1, 2, 3} and all(s > 0 for s in stored.speedups["t0"].values())
+    # A restart reads it instead of measuring again.
+    with running_daemon(state, mimo_folder, env=env) as daemon:
+        assert httpx.get(f"{daemon.base_url}/health").json()["decoding"]["calibrated"]
+    assert CalibrationStore(state).get(mimo_folder) == stored
