@@ -134,8 +134,13 @@ class Reply:
 
 def read_all(turn: ChatTurn, text: str, id_prefix: str) -> Reply:
     output = turn.output(id_prefix)
+    return collect(output.feed(text) + output.finish())
+
+
+def collect(pieces: list) -> Reply:
+    """Reasoning, text and calls of a reply's pieces, in order."""
     reply = Reply()
-    for piece in output.feed(text) + output.finish():
+    for piece in pieces:
         if isinstance(piece, Reasoning):
             reply.reasoning += piece.text
         elif isinstance(piece, Text):

@@ -14,7 +14,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 SHIM_PATH = Path(sys.prefix) / "lib" / "mtplxd" / "libmtplxd_cblas.so"
@@ -59,3 +62,53 @@ def _load() -> BlasInfo:
         None,
         "no OpenBLAS found: run `make install` (needs a C compiler) for fast CPU matmuls",
     )
+
+
+# -- thread count ------------------------------------------------------------------
+
+# Decode steps multiply a handful of rows (1 token, or K+1 in a verify) by each
+# weight matrix. OpenBLAS splits such a call over its threads, and waking a second
+# thread costs more than the multiply whenever the other core is busy (the
+# daemon's own HTTP thread, an editor, a build): on the 2-core development machine
+# a [4, 256] x [256, 640] matmul took 98 us on one thread and 3,984 us on two, and
+# an MTP cycle of the embedded model 34-40 ms against 75-77 ms. Prefill chunks
+# (hundreds of rows) keep every thread.
+DECODE_THREADS = 1
+
+
+@lru_cache(maxsize=1)
+def _thread_functions() -> tuple | None:
+    try:
+        lib = ctypes.CDLL(None)
+    except OSError:
+        return None
+    for prefix in ("scipy_openblas", "openblas"):
+        setter = getattr(lib, f"{prefix}_set_num_threads", None)
+        getter = getattr(lib, f"{prefix}_get_num_threads", None)
+        if setter is not None and getter is not None:
+            return setter, getter
+    return None
+
+
+def set_threads(n: int | None) -> int | None:
+    """Set OpenBLAS's thread count where OpenBLAS serves MLX; returns the old count
+    (None where there is none to set, e.g. macOS, where Accelerate decides)."""
+    functions = _thread_functions()
+    if functions is None:
+        return None
+    setter, getter = functions
+    old = int(getter())
+    if n is not None and n != old:
+        setter(int(n))
+    return old
+
+
+@contextmanager
+def decode_threads() -> Iterator[None]:
+    """Run a decode step's few-row matmuls on DECODE_THREADS BLAS threads."""
+    old = set_threads(DECODE_THREADS)
+    try:
+        yield
+    finally:
+        if old is not None:
+            set_threads(old)

@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.backends.base import Backend, Tape
+from engine.blas import decode_threads
 from engine.sampling import SamplerSettings, compiled_probabilities, probabilities
 from engine.session_mlx import (
     capture_head,
@@ -127,11 +128,12 @@ class Generation:
             raise RuntimeError("generation already finished")
         if self._fed < len(self.request.prompt):
             return self._prefill_chunk()
-        if self._first_logits is not None:
-            return self._first_from_restored()
-        if self.request.mode == "ar":
-            return self._ar_step()
-        return self._mtp_cycle()
+        with decode_threads():
+            if self._first_logits is not None:
+                return self._first_from_restored()
+            if self.request.mode == "ar":
+                return self._ar_step()
+            return self._mtp_cycle()
 
     def close(self) -> None:
         """Drop every cache reference; safe to call at any point."""

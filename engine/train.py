@@ -23,11 +23,11 @@ from engine.training.heads import HeadsSettings, train_heads
 from engine.training.measure import measure_acceptance
 from engine.training.model import MTPModel, model_config, parameter_count
 from engine.training.tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
-from engine.training.trainer import STATE_DIR, TrainResult, blas_threads, read_state
+from engine.training.trainer import STATE_DIR, TrainResult, read_state
 
 __all__ = [
     "HELD_OUT_MODULES", "RESUMABLE", "SPECIAL_TOKENS", "STATE_DIR", "Batches", "HeadsSettings", "MTPModel",
-    "ModelSettings", "TrainResult", "blas_threads", "build_stream", "default_corpus_dir", "fim_ids",
+    "ModelSettings", "TrainResult", "build_stream", "default_corpus_dir", "fim_ids",
     "fim_split", "held_out_files", "load_corpus", "measure_acceptance", "model_config", "parameter_count",
     "resume_training", "save_tokenizer", "train_heads", "train_model", "train_tokenizer",
 ]

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-corpus-mb", metavar="MB", type=float, help="cap the corpus size (default: all)")
     p.add_argument("--heads-only", action="store_true", help="train MTP heads for --model, trunk frozen")
     p.add_argument("--model", metavar="PATH", help="checkpoint to add heads to (with --heads-only)")
+    p.add_argument("--replace-heads", action="store_true",
+                   help="with --heads-only on a MiMo checkpoint that has heads: distil them further, "
+                        "starting from their weights")
     p.add_argument("--vocab", metavar="N", type=int, help="tokenizer vocabulary (default 4096)")
     p.add_argument("--layers", metavar="N", type=int, help="trunk layers (default 8)")
     p.add_argument("--hidden", metavar="N", type=int, help="hidden size (default 192)")
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
             if wrong:
                 print(f"mtplxd: --heads-only keeps the model's trunk; drop --{', --'.join(wrong)}", file=sys.stderr)
                 return 2
-            result = train.train_heads(train.HeadsSettings(model=args.model, out=args.out, **given))
+            result = train.train_heads(train.HeadsSettings(model=args.model, out=args.out,
+                                                           replace_heads=args.replace_heads, **given))
         else:
             if args.model:
                 print("mtplxd: --model is for --heads-only", file=sys.stderr)

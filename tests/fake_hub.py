@@ -4,8 +4,8 @@ runs the real huggingface_hub client code (HF_ENDPOINT=hub.url) without a networ
 It serves each repository folder it was given at one commit, through the endpoints
 `snapshot_download` uses: repository info, the tree listing, HEAD and GET of
 `/{repo}/resolve/{rev}/{file}` (with Range support). Faults can be injected per
-file: `drop_once` cuts the connection half-way through the first GET (the client
-must resume with a Range request); `fail` answers 500 to every GET.
+file: `drop_once` cuts the connection 1 MB before the end of the first GET (the
+client must resume with a Range request); `fail` answers 500 to every GET.
 
     with FakeHub({"org/tiny": folder}) as hub:
         env["HF_ENDPOINT"] = hub.url
@@ -111,7 +111,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return
             if name in hub.drop_once:
                 hub.drop_once.discard(name)
-                self.wfile.write(data[: len(data) // 2])
+                # Cut 1 MB before the end (half-way in a small file), past the client's
+                # first 10 MB chunk in a large one, so there is something to resume from.
+                self.wfile.write(data[: max(len(data) // 2, len(data) - (1 << 20))])
                 self.wfile.flush()
                 self.close_connection = True  # the client sees a body cut short
                 return

@@ -3,6 +3,7 @@ equivalence after partial acceptance, abandoning generations."""
 
 from __future__ import annotations
 
+import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -119,3 +120,27 @@ def test_head_in_sidecar_file_loads_the_same(tmp_path, family):
     a, _, _ = run(inline, PROMPT, sampler=SamplerSettings(temperature=0.8), depth=2, max_tokens=16, seed=5)
     b, _, _ = run(sidecar, PROMPT, sampler=SamplerSettings(temperature=0.8), depth=2, max_tokens=16, seed=5)
     assert a == b
+
+
+def test_decode_steps_run_on_one_blas_thread_and_prefill_on_all(tmp_path):
+    from engine.blas import DECODE_THREADS, set_threads
+
+    if set_threads(None) is None:
+        pytest.skip("no OpenBLAS thread control here (Accelerate decides)")
+    eng = load_family(tmp_path, "mimo", mtp_heads=1)
+    seen: list[tuple[int, int | None]] = []
+    forward = eng.backend.forward
+
+    def spy(tokens, cache, tape=None):
+        seen.append((tokens.shape[1], set_threads(None)))
+        return forward(tokens, cache, tape)
+
+    eng.backend.forward = spy
+    before = set_threads(2)
+    try:
+        run(eng, PROMPT, sampler=greedy(), depth=1, max_tokens=6)
+        assert set_threads(None) == 2  # restored after every step
+    finally:
+        set_threads(before)
+    assert seen[0] == (len(PROMPT), 2)  # the prefill chunk: every thread
+    assert {threads for _, threads in seen[1:]} == {DECODE_THREADS}  # verify forwards: one

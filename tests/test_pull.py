@@ -35,9 +35,20 @@ def _with_index(folder: Path) -> Path:
 
 @pytest.fixture
 def embedded_repo(tmp_path) -> Path:
-    """The embedded model (22 MB: its weights file spans more than one of the client's
-    10 MB download chunks, so a dropped connection is resumed mid-file with a Range)."""
-    return _with_index(Path(shutil.copytree(ASSETS, tmp_path / "repo")))
+    """The embedded model as one float32 weights file, trunk and heads (19 MB: it spans
+    more than one of the client's 10 MB download chunks, so a connection dropped near its
+    end is resumed mid-file with a Range)."""
+    import engine  # noqa: F401  (BLAS before mlx)
+    import mlx.core as mx
+
+    repo = Path(shutil.copytree(ASSETS, tmp_path / "repo"))
+    weights = {}
+    for path in sorted(repo.glob("*.safetensors")):
+        weights.update(mx.load(str(path)))
+        path.unlink()
+    mx.save_safetensors(str(repo / "model.safetensors"), {k: v.astype(mx.float32) for k, v in weights.items()},
+                        metadata={"format": "pt"})
+    return _with_index(repo)
 
 
 def pull(tmp_path: Path, *args: str, hub: FakeHub | None = None, offline: bool = False,

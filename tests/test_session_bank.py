@@ -9,6 +9,7 @@ import shutil
 import time
 
 import anyio
+import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest

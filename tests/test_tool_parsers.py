@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from adapters.chat_turn import AssistantOutput, ChatTurn, Reply, ToolSpec, read_all
+from adapters.chat_turn import AssistantOutput, ChatTurn, Reply, ToolSpec, collect, read_all
 from adapters.reasoning import ThinkSplitter, prompt_opens_think
 from adapters.streaming_text import Reasoning, Text, partial_marker
 from adapters.tool_parsers import Call, DeepSeekParser, HermesParser, Qwen3CoderParser, parser_for
@@ -128,15 +128,7 @@ def summary(reply: Reply) -> tuple:
 def streamed(t: ChatTurn, chunks: list[str]) -> tuple[Reply, list]:
     output = AssistantOutput(t, "call_")
     pieces = [p for chunk in chunks for p in output.feed(chunk)] + output.finish()
-    reply = Reply()
-    for piece in pieces:
-        if isinstance(piece, Reasoning):
-            reply.reasoning += piece.text
-        elif isinstance(piece, Text):
-            reply.content += piece.text
-        else:
-            reply.calls.append(piece)
-    return reply, pieces
+    return collect(pieces), pieces
 
 
 def splits(text: str) -> list[list[str]]:

@@ -130,6 +130,35 @@ def test_fast_losses_match_mlx():
                                np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)), atol=1e-4)
 
 
+
+def test_training_attention_matches_the_fused_kernel_values_and_gradients():
+    from engine.training.model import unfused_attention
+
+    q = mx.random.normal((2, 4, 9, 8), key=mx.random.key(2))
+    k, v = (mx.random.normal((2, 2, 9, 8), key=mx.random.key(i)) for i in (3, 4))  # grouped KV heads
+    fused = lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask="causal")  # noqa: E731
+    ours = lambda q, k, v: unfused_attention(q, k, v, None, 0.35, "causal")  # noqa: E731
+    np.testing.assert_allclose(np.array(ours(q, k, v)), np.array(fused(q, k, v)), atol=1e-5)
+    weights = mx.random.normal((2, 4, 9, 8), key=mx.random.key(5))
+    grads = [mx.grad(lambda *a: (f(*a) * weights).sum(), argnums=(0, 1, 2))(q, k, v) for f in (ours, fused)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+    with pytest.raises(ValueError):
+        unfused_attention(q, k, v, None, 0.35, mx.zeros((9, 9)))  # only causal masks in training
+
+
+def test_learning_rate_decays_fully_by_the_time_budget_or_the_last_step():
+    from engine.training.trainer import LoopSettings, learning_rate
+
+    by_steps = LoopSettings(steps=100, lr=1e-3, warmup=10)
+    assert learning_rate(by_steps, 0, 0.0) == pytest.approx(1e-4)  # warmup from lr / warmup
+    assert learning_rate(by_steps, 10, 0.0) == pytest.approx(1e-3)  # peak
+    assert learning_rate(by_steps, 100, 0.0) == pytest.approx(1e-4)  # lr * min_lr_ratio at the end
+    by_time = LoopSettings(steps=10_000, lr=1e-3, warmup=10, max_minutes=1.0)
+    assert learning_rate(by_time, 20, 30.0) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half the budget: half way
+    assert learning_rate(by_time, 20, 60.0) == pytest.approx(1e-4)  # the budget spent: fully decayed
+    assert learning_rate(by_time, 20, 1.0) > learning_rate(by_time, 20, 50.0)
+
 def test_loss_decreases_and_checkpoint_runs_mtp(trained):
     out, result = trained
     losses = [h["loss"] for h in result.history]
@@ -280,9 +309,30 @@ def test_heads_only_refuses_a_checkpoint_with_heads(corpus, tmp_path):
     src = write("mimo", tmp_path / "src", mtp_heads=1)
     from engine.checkpoint import CheckpointError
 
-    with pytest.raises(CheckpointError, match="already has 1 MTP head"):
+    with pytest.raises(CheckpointError, match="already has 1 MTP head.*--replace-heads"):
         train_heads(HeadsSettings(model=str(src), out=str(tmp_path / "out"), corpus=str(corpus), steps=1,
                                   **HEADS_TINY))
+
+
+def test_replace_heads_distils_a_mimo_checkpoints_own_heads(corpus, tmp_path):
+    src = write("mimo", tmp_path / "src", mtp_heads=2)
+    out = tmp_path / "out"
+    train_heads(HeadsSettings(model=str(src), out=str(out), corpus=str(corpus), steps=2, replace_heads=True,
+                              **{**HEADS_TINY, "lr": 1e-9}))
+    report = inspect_checkpoint(out)
+    assert (report.family, report.status, report.mtp_heads) == ("mimo", "supported", 2)
+    trunk = load_file(str(out / "model.safetensors"))
+    assert not any(k.startswith("model.mtp_layers.") for k in trunk)  # old heads gone from the trunk file
+    original = load_file(str(src / "model.safetensors"))
+    assert all(np.array_equal(v, original[k]) for k, v in trunk.items())
+    heads = load_file(str(out / "mtp.safetensors"))
+    old_heads = {k: v for k, v in original.items() if k.startswith("model.mtp_layers.")}
+    assert set(heads) == set(old_heads)
+    # It started from the old heads (a learning rate of 1e-9 leaves them, up to bf16 rounding).
+    for k, v in heads.items():
+        np.testing.assert_allclose(v.astype(np.float32), old_heads[k].astype(np.float32), rtol=1e-2, atol=1e-2)
+    eng = Engine.load(out)
+    assert _greedy(eng, PROMPTS[1], 12, "mtp") == _greedy(eng, PROMPTS[1], 12, "ar")
 
 
 def test_cli_train_and_resume(corpus, tmp_path, capsys):

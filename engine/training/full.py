@@ -44,7 +44,7 @@ class ModelSettings:
     eval_windows: int = 16
     compile: bool = True
     progress: bool = True
-    threads: int | None = 1  # BLAS threads (see trainer.blas_threads)
+    threads: int | None = 1  # BLAS threads (see trainer.LoopSettings)
     max_minutes: float | None = None  # a time budget: stop and save when spent
 
 

@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.backends.descriptors import inspect_checkpoint, mlx_model_type
+from engine.backends.mimo import HEAD_PREFIX
 from engine.checkpoint import CheckpointError, read_config, read_header, weight_keys
 from engine.training import trainer
 from engine.training.corpus import held_out_files, load_corpus, manifest
@@ -67,8 +68,11 @@ class HeadsSettings:
     eval_windows: int = 16
     compile: bool = True
     progress: bool = True
-    threads: int | None = 1  # BLAS threads (see trainer.blas_threads)
+    threads: int | None = 1  # BLAS threads (see trainer.LoopSettings)
     max_minutes: float | None = None  # a time budget: stop and save when spent
+    # A MiMo checkpoint that has heads: distil them further, starting from their weights
+    # (joint training leaves heads that agree with the trunk less than distilled ones).
+    replace_heads: bool = False
 
 
 def mimo_config(config: dict, keys: set[str], heads: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
@@ -130,14 +134,15 @@ def _as_loaded(config: dict, kind: str) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def prepare_output(src: Path, out: Path, heads: int) -> tuple[dict, mx.Dtype]:
+def prepare_output(src: Path, out: Path, heads: int, replace: bool = False) -> tuple[dict, mx.Dtype]:
     """Check the source, copy its files into `out`, write the MiMo config.
     Returns the new config and the dtype to store the heads in."""
     report = inspect_checkpoint(src)
-    if report.mtp_heads > 0:
-        raise CheckpointError(f"{src} already has {report.mtp_heads} MTP head(s)")
+    if report.mtp_heads > 0 and not (replace and report.family == "mimo"):
+        hint = " (--replace-heads distils a MiMo checkpoint's heads further)" if report.family == "mimo" else ""
+        raise CheckpointError(f"{src} already has {report.mtp_heads} MTP head(s){hint}")
     config = read_config(src)
-    keys = weight_keys(src)
+    keys = {k: f for k, f in weight_keys(src).items() if not k.startswith(HEAD_PREFIX)}
     new_config, biases = mimo_config(config, set(keys), heads)
     embed = "model.embed_tokens.weight"
     if embed not in keys:
@@ -148,11 +153,21 @@ def prepare_output(src: Path, out: Path, heads: int) -> tuple[dict, mx.Dtype]:
     out.mkdir(parents=True, exist_ok=True)
     for path in sorted(src.iterdir()):
         if path.is_file() and path.name not in ("config.json", SIDECAR, ZERO_BIAS):
-            _link_or_copy(path, out / path.name)
+            _copy_trunk_file(path, out / path.name)
     if biases:
         save_safetensors(out / ZERO_BIAS, {k: mx.zeros(s, dtype) for k, s in biases.items()}, None)
     write_json(out / "config.json", new_config)
     return new_config, dtype
+
+
+def _copy_trunk_file(src: Path, dst: Path) -> None:
+    """Link or copy a file of the source; a weight file that holds old heads is
+    rewritten without them (the new ones go to the sidecar)."""
+    if src.suffix == ".safetensors" and any(k.startswith(HEAD_PREFIX) for k in read_header(src)):
+        trunk = {k: v for k, v in mx.load(str(src)).items() if not k.startswith(HEAD_PREFIX)}
+        save_safetensors(dst, trunk, None)
+        return
+    _link_or_copy(src, dst)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -208,8 +223,8 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
         config = saved["config"]
         dtype = _DTYPES[saved["head_dtype"]]
     else:
-        config, dtype = prepare_output(src, out, s.heads)
-    engine_ = Engine.load(src)  # the original: AR-only, float32 on CPU
+        config, dtype = prepare_output(src, out, s.heads, s.replace_heads)
+    engine_ = Engine.load(src)  # the original, float32 on CPU
     trunk = engine_.backend.trunk
     trunk.freeze()
     encoder = _encoder(src, engine_)
@@ -230,6 +245,8 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
 
     mx.random.seed(s.seed)
     model = MTPModel(config, trunk=trunk, n_heads=s.heads)
+    for layer, old in zip(model.mtp_layers, engine_.backend.heads):  # --replace-heads: start from them
+        layer.update(old.parameters())
     for layer in model.mtp_layers:
         layer.set_dtype(mx.float32)
     mx.eval(model.parameters())

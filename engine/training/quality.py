@@ -1,9 +1,10 @@
 """Does the model complete held-out Python plausibly?
 
 For `def`/`for`/`if` lines of the held-out standard-library modules, the
-model sees the file up to and including the keyword and completes the line
-greedily; the line counts as plausible when it parses as Python with a
-`pass` body. Also measures per-depth acceptance at temperature 0.
+model sees the file up to and including the keyword (not the space after it)
+and completes the line greedily; the line counts as plausible when it parses
+as Python with a `pass` body. Also measures per-depth acceptance at
+temperature 0.
 
     python -m engine.training.quality [CHECKPOINT] [--lines N]
 """
@@ -45,7 +46,9 @@ def cut_points(limit: int) -> list[tuple[str, str, str]]:
         matches = list(KEYWORD_LINE.finditer(doc.text))
         step = max(1, len(matches) // per_doc)
         for m in matches[::step][:per_doc]:
-            cursor = m.end()  # right after "def " / "for " / "if "
+            # Right after the keyword, before its space: byte-level BPE spells " name" as one
+            # token, so a prompt ending in a lone space is one the model never saw in training.
+            cursor = m.end() - 1
             points.append((doc.path, doc.text[max(0, cursor - CONTEXT_CHARS) : cursor], m.group("kw")))
     return points[:limit]
 
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [before for _, before, _ in cut_points(8)]
     acceptance = measure_acceptance(engine_, prompts, depth=args.depth, n_tokens=64)
     for s in samples[:10]:
-        print(f"{'ok ' if s.parses else 'bad'} {s.path}: {s.keyword} {s.completion}")
+        print(f"{'ok ' if s.parses else 'bad'} {s.path}: {s.keyword}{s.completion}")
     print(json.dumps({"parse_rate": round(rate, 3), "lines": len(samples),
                       "acceptance_by_depth_t0": [round(a, 3) for a in acceptance]}))
     return 0

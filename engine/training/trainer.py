@@ -25,6 +25,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from engine.blas import set_threads
 from engine.training.data import Batches
 from engine.training.model import save_safetensors, training_attention, write_json
 
@@ -42,7 +43,10 @@ class LoopSettings:
     save_every: int = 100
     compile: bool = True
     progress: bool = True
-    threads: int | None = 1  # BLAS threads while training (None: leave as is)
+    # BLAS threads while training (None: leave as is). Training a small model is bound by MLX's
+    # single-threaded element-wise work, not matmuls: one thread is about as fast as two and does
+    # not stall when other processes share the cores (engine/blas.py).
+    threads: int | None = 1
     max_minutes: float | None = None  # stop (saving) once this much time has passed
 
 
@@ -126,39 +130,14 @@ class _Interrupts:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def blas_threads(n: int | None) -> int | None:
-    """Set OpenBLAS's thread count where OpenBLAS serves MLX; returns the old
-    count (None where there is no OpenBLAS to set, e.g. macOS).
-
-    Training small models on a CPU is bound by MLX's single-threaded
-    element-wise work (exp in softmax, SiLU and the loss), not by matmuls:
-    one BLAS thread is about as fast as two, and does not stall when other
-    processes share the cores (a second BLAS thread that loses its core holds
-    up every matmul)."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL(None)
-    except OSError:
-        return None
-    for prefix in ("scipy_openblas", "openblas"):
-        setter, getter = getattr(lib, f"{prefix}_set_num_threads", None), getattr(lib, f"{prefix}_get_num_threads", None)
-        if setter is not None and getter is not None:
-            old = int(getter())
-            if n is not None:
-                setter(int(n))
-            return old
-    return None
-
-
 def run(job: Job, s: LoopSettings, resume: bool = False,
         callback: Callable[[int, dict], None] | None = None) -> TrainResult:
-    previous_threads = blas_threads(s.threads) if s.threads else None
+    previous_threads = set_threads(s.threads) if s.threads else None
     try:
         return _run(job, s, resume, callback)
     finally:
         if previous_threads:
-            blas_threads(previous_threads)
+            set_threads(previous_threads)
 
 
 def _run(job: Job, s: LoopSettings, resume: bool,
