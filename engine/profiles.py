@@ -85,15 +85,24 @@ class Calibration:
     detail: str = ""  # how it was measured (command, prompts, tokens)
 
     @classmethod
+    def from_speeds(cls, speeds: dict[tuple[str, str, int], float], measured_at: float,
+                    detail: str) -> Calibration:
+        """From decode tok/s keyed by (temperature key, "ar" | "mtp", depth)."""
+        speedups: dict[str, dict[int, float]] = {}
+        for key in MEASURED_TEMPERATURES:
+            ar = speeds.get((key, "ar", 0))
+            if ar:
+                speedups[key] = {d: round(s / ar, 3) for (k, mode, d), s in speeds.items()
+                                 if k == key and mode == "mtp"}
+        return cls(speedups, measured_at, detail)
+
+    @classmethod
     def from_bench(cls, result: dict, measured_at: float, detail: str) -> Calibration:
         """From a `mtplxd bench` report (its `runs`)."""
-        speedups: dict[str, dict[int, float]] = {}
-        for key, t in MEASURED_TEMPERATURES.items():
-            runs = [r for r in result["runs"] if r["temperature"] == t]
-            ar = next((r["decode_tok_s"] for r in runs if r["mode"] == "ar"), None)
-            if ar:
-                speedups[key] = {r["depth"]: round(r["decode_tok_s"] / ar, 3) for r in runs if r["mode"] == "mtp"}
-        return cls(speedups, measured_at, detail)
+        keys = {t: k for k, t in MEASURED_TEMPERATURES.items()}
+        speeds = {(keys[r["temperature"]], r["mode"], r["depth"] if r["mode"] == "mtp" else 0): r["decode_tok_s"]
+                  for r in result["runs"] if r["temperature"] in keys}
+        return cls.from_speeds(speeds, measured_at, detail)
 
     def choose(self, profile: Profile, temperature: float, n_heads: int) -> DepthChoice:
         if n_heads == 0:
@@ -132,14 +141,10 @@ def machine_id() -> str:
 
 def model_id(folder: Path) -> str:
     """config.json and a cheap digest of every weight file (engine/session_mlx.py)."""
-    from engine.session_mlx import weights_digest
+    from engine.session_mlx import hash_checkpoint_files
 
     h = hashlib.sha256()
-    config = folder / "config.json"
-    h.update(config.read_bytes() if config.is_file() else b"")
-    for path in sorted(folder.glob("*.safetensors")):
-        h.update(path.name.encode())
-        h.update(weights_digest(path))
+    hash_checkpoint_files(h, folder)
     return h.hexdigest()[:32]
 
 
@@ -204,14 +209,11 @@ class DecodePlanner:
         fixed = depth or self.forced_depth
         if self.n_heads == 0:
             return DecodePlan(chosen.name, "ar", 0, chosen.prefill_chunk, False, "default")
-        if mode is not None or fixed is not None:
-            pick = self._choice(chosen, temperature)
-            mode = mode or "mtp"
-            d = fixed or (pick.depth if pick.mode == "mtp" else chosen.default_depth)
-            return DecodePlan(chosen.name, mode, d, chosen.prefill_chunk, chosen.compiled, "request")
         pick = self._choice(chosen, temperature)
-        d = pick.depth if pick.mode == "mtp" else chosen.default_depth
-        return DecodePlan(chosen.name, pick.mode, d, chosen.prefill_chunk, chosen.compiled, pick.source)
+        depth = fixed or (pick.depth if pick.mode == "mtp" else chosen.default_depth)
+        if mode is not None or fixed is not None:  # the client or the operator decided
+            return DecodePlan(chosen.name, mode or "mtp", depth, chosen.prefill_chunk, chosen.compiled, "request")
+        return DecodePlan(chosen.name, pick.mode, depth, chosen.prefill_chunk, chosen.compiled, pick.source)
 
     def _choice(self, profile: Profile, temperature: float) -> DepthChoice:
         if self.calibration is None:

@@ -142,16 +142,21 @@ def model_fingerprint(folder: Path, backend: Any, layout: Layout) -> str:
     """config.json, every weight file's header, size and sampled bytes, the loaded dtypes
     and cache layout, MTP head count, mlx and mlx-lm versions."""
     h = hashlib.sha256(FORMAT.encode())
-    config = folder / "config.json"
-    h.update(config.read_bytes() if config.is_file() else b"")
-    for path in sorted(folder.glob("*.safetensors")):
-        h.update(path.name.encode())
-        h.update(weights_digest(path))
+    hash_checkpoint_files(h, folder)
     h.update(layout.to_json().encode())
     h.update(f"heads={backend.n_heads}".encode())
     h.update(f"mlx={mx.__version__}".encode())
     h.update(f"mlx-lm={_package_version('mlx-lm')}".encode())
     return h.hexdigest()
+
+
+def hash_checkpoint_files(h: Any, folder: Path) -> None:
+    """Feed config.json and a cheap digest of every weight file into the hash `h`."""
+    config = folder / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(folder.glob("*.safetensors")):
+        h.update(path.name.encode())
+        h.update(weights_digest(path))
 
 
 SAMPLE = 1 << 18  # bytes read from each end and the middle of a weight file's data

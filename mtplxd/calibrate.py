@@ -93,15 +93,10 @@ class CalibrateJob:
             max_tokens=self.request.max_tokens, seed=0, prefill_chunk=len(self.request.prompt_ids)))
 
     def _calibration(self) -> Calibration:
-        speed = {run: t.tokens / t.seconds for run, t in self._timings.items() if t.seconds > 0}
-        speedups: dict[str, dict[int, float]] = {}
-        for key in SAMPLERS:
-            ar = speed.get((key, "ar", 0))
-            if ar:
-                speedups[key] = {d: round(s / ar, 3) for (k, mode, d), s in speed.items() if k == key and mode == "mtp"}
+        speeds = {run: t.tokens / t.seconds for run, t in self._timings.items() if t.seconds > 0}
         r = self.request
         detail = f"daemon calibration: {len(r.prompt_ids)}-token prompt, {r.rounds} rounds x {r.max_tokens} tokens"
-        return Calibration(speedups, time.time(), detail)
+        return Calibration.from_speeds(speeds, time.time(), detail)
 
 
 def calibration_prompt(engine: Engine, max_tokens: int = 512) -> tuple[int, ...]:
