@@ -47,7 +47,7 @@ from engine.session_mlx import (
     to_host,
 )
 from engine.session_state import Restore, Snapshot, SnapshotMismatch, Tensor
-from engine.speculative import compiled_verify, sample, verify
+from engine.speculative import compiled_verify, sample, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class GenerationRequest:
     max_tokens: int = 256
     stop_token_ids: frozenset[int] = frozenset()
     prefill_chunk: int = 512
-    compiled: bool = False  # mx.compile the sampling filters and verification (turbo profile)
+    compiled: bool = False  # mx.compile the sampling filters (turbo profile); verification always is
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -160,7 +160,7 @@ class Generation:
                     self._hidden_log[-1:])
             return StepResult([], prefill_tokens=len(chunk))
         last = logits[:, -1]
-        first = sample(self._probs(last), self._next_key())
+        first, _ = self._draw(last)
         result = self._commit([int(first.item())])
         self._log_logits(last)
         result.prefill_tokens = len(chunk)
@@ -169,7 +169,7 @@ class Generation:
     def _first_from_restored(self) -> StepResult:
         """The whole prompt came from a snapshot: sample from its stored logits."""
         logits, self._first_logits = self._first_logits, None
-        first = sample(self._probs(logits), self._next_key())
+        first, _ = self._draw(logits)
         return self._commit([int(first.item())])
 
     # -- plain autoregressive decoding -----------------------------------------
@@ -178,7 +178,7 @@ class Generation:
         logits, hidden = self.backend.forward(mx.array([[self.tokens[-1]]]), self.cache)
         self._fed += 1
         self._log_hidden(hidden)
-        token = sample(self._probs(logits[:, -1]), self._next_key())
+        token, _ = self._draw(logits[:, -1])
         result = self._commit([int(token.item())])
         self._log_logits(logits[:, -1])
         return result
@@ -193,9 +193,7 @@ class Generation:
         tape = Tape(length=depth + 1)
         window = mx.concatenate([mx.array([self.tokens[-1]]), drafts])[None]
         logits, hidden = self.backend.forward(window, self.cache, tape)
-        p = self._probs(logits[0])[None]
-        check = compiled_verify if self.request.compiled else verify
-        n_accepted, next_token = check(p, mx.stack(q, axis=1), drafts[None], self._next_key())
+        n_accepted, next_token = self._verify(logits, q, drafts)
         mx.eval(n_accepted, next_token, drafts)
         m = int(n_accepted.item())
         self.backend.rewind(self.cache, tape, keep=m + 1)
@@ -213,7 +211,7 @@ class Generation:
         return result
 
     def _draft(self, T: int, depth: int) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        """Draft `depth` tokens with the heads; all on device, no host sync."""
+        """Draft `depth` tokens with the heads, on device (top-p may sync once a draft)."""
         drafts: list[mx.array] = []
         q: list[mx.array] = []
         head_inputs: list[mx.array] = []
@@ -225,20 +223,29 @@ class Generation:
             # token_{p+k+1} for p in [start, T-1]: committed ones, then drafts.
             committed = self.tokens[start + k + 1 : T + 1]
             tokens = mx.concatenate([mx.array(committed, dtype=mx.int32), *drafts])[None]
-            logits, outputs = self.backend.head(k, hidden_in, tokens, cache)
+            logits, outputs = self.backend.head(k, hidden_in, tokens, cache, last=True)
             self._add_draft(logits[:, -1], drafts, q)
-        last = len(self._heads) - 1
+        final = len(self._heads) - 1
         while len(drafts) < depth:  # reuse the last head recurrently
             logits, outputs = self.backend.head(
-                last, outputs[:, -1:], drafts[-1][None], self.head_caches[last]
+                final, outputs[:, -1:], drafts[-1][None], self.head_caches[final], last=True
             )
             self._add_draft(logits[:, -1], drafts, q)
         return mx.concatenate(drafts), q, head_inputs
 
     def _add_draft(self, logits: mx.array, drafts: list, q: list) -> None:
-        probs = self._probs(logits)  # [1, V]
-        drafts.append(sample(probs, self._next_key()).astype(mx.int32))
+        token, probs = self._draw(logits)  # probs [1, V], or None when greedy
+        drafts.append(token)
         q.append(probs)
+
+    def _verify(self, logits: mx.array, q: list, drafts: mx.array) -> tuple[mx.array, mx.array]:
+        """The exact rule on the verify window's logits [1, K+1, V]; greedy decoding
+        needs no distributions: it is the same rule on one-hot p and q."""
+        key = self._next_key()
+        if self.request.sampler.greedy:
+            return verify_greedy(logits, drafts[None])
+        p = self._probs(logits[0])[None]
+        return compiled_verify(p, mx.stack(q, axis=1), drafts[None], key)
 
     def _trim_heads(self, T: int, m: int, offsets: list[int], head_inputs: list[mx.array]) -> None:
         """Keep only real head-cache entries; carry unconsumed real hidden-ins."""
@@ -367,6 +374,16 @@ class Generation:
         if self.request.compiled:
             return compiled_probabilities(self.request.sampler)(logits.astype(mx.float32))
         return probabilities(logits.astype(mx.float32), self.request.sampler)
+
+    def _draw(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        """A token (int32 [1]) from the filtered distribution of logits [1, V], and that
+        distribution; None when greedy, where the argmax is the one-hot's only token.
+        A key is used either way, so greedy and sampled runs split keys alike."""
+        key = self._next_key()
+        if self.request.sampler.greedy:
+            return mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32), None
+        probs = self._probs(logits)
+        return sample(probs, key), probs
 
     def _next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)

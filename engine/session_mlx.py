@@ -123,7 +123,7 @@ def probe(backend: Any) -> Layout:
     if hidden is not None:
         for k in range(backend.n_heads):
             hc = backend.make_head_caches()[k]
-            backend.head(k, hidden, token, hc)
+            backend.head(k, hidden, token, hc, last=True)
             heads.append(((hc.keys.shape[1], hc.keys.shape[3], _dtype_name(hc.keys.dtype)),
                           (hc.values.shape[1], hc.values.shape[3], _dtype_name(hc.values.dtype))))
     mx.eval(logits)

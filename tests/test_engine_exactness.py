@@ -110,5 +110,5 @@ def broken_verify(p, q, drafts, key):
 
 
 def test_engine_negative_control_fails(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine.generation, "verify", broken_verify)
+    monkeypatch.setattr(engine.generation, "compiled_verify", broken_verify)
     assert _exactness(tmp_path, "t1.0", n=800) < 1e-6

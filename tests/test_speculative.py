@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
-from engine import speculative
-from engine.sampling import SamplerSettings, probabilities
+from engine import sampling, speculative
+from engine.sampling import TOP_P_CANDIDATES, SamplerSettings, compiled_probabilities, probabilities
 
 V = 4  # toy vocabulary
 LENGTH = 3  # toy sequence length: V**LENGTH = 64 sequences
@@ -370,6 +370,125 @@ def test_probabilities_greedy_is_one_hot_argmax():
     logits = mx.array(np.random.default_rng(0).normal(size=(5, 7)).astype(np.float32))
     out = _np(probabilities(logits, SamplerSettings(temperature=0)))
     np.testing.assert_array_equal(out, np.eye(7)[_np(logits).argmax(-1)])
+
+
+# Top-p looks for its cut among the top TOP_P_CANDIDATES and, where they may not
+# hold it, checks with one host sync (never under mx.compile) before falling back
+# to a full sort. All must agree
+# with one tie-inclusive definition: keep a token iff the mass of the strictly more
+# probable tokens (within the top-k set) is < top_p times that set's mass.
+
+
+def reference_keep(probs: np.ndarray, s: SamplerSettings) -> np.ndarray:
+    """The filters' definition, token by token in float64, on probs [rows, V]."""
+    keep = np.ones(probs.shape, bool)
+    for row, p in zip(keep, probs):
+        if 0 < s.top_k < p.size:
+            row[np.argsort(-p, kind="stable")[s.top_k :]] = False  # exactly k, lowest ids on ties
+        if s.top_p < 1:
+            q = np.where(row, p, 0.0)
+            row &= np.array([q[q > v].sum() for v in q]) < s.top_p * q.sum()
+        if s.min_p > 0:
+            row &= p >= s.min_p * p.max()
+    return keep
+
+
+def filter_case(name: str) -> np.ndarray:
+    """Logits [rows, V] with V > TOP_P_CANDIDATES, so the shortcut is possible."""
+    rng = np.random.default_rng(sum(map(ord, name)))
+    V = 4 * TOP_P_CANDIDATES
+    peaked = rng.normal(size=(3, V)) * 4  # nucleus of a few tokens at T 0.6
+    flat = rng.normal(size=(2, V)) * 0.1  # nucleus of most of the vocabulary
+    if name == "peaked":
+        return peaked
+    if name == "flat":
+        return flat
+    if name == "mixed":
+        return np.concatenate([peaked[:1], flat[:1], peaked[1:]])
+    # Ties: 0.4, then three tokens of 0.2 straddling top_p 0.5 (and top_k 2), then a tail.
+    ties = np.full((2, V), np.log(1e-6))
+    ties[:, :4] = np.log([0.4, 0.2, 0.2, 0.2])
+    ties[1] = ties[1, rng.permutation(V)]
+    if name == "ties":
+        return ties
+    # A tie group at the cut, running past the candidates: all kept.
+    group = TOP_P_CANDIDATES + 100
+    wide = np.concatenate([[np.log(50.0)], np.zeros(group), np.full(V - group - 1, -20.0)])
+    return np.stack([wide, wide[rng.permutation(V)]])
+
+
+def test_softmax_is_as_accurate_as_the_library_one():
+    """sampling.softmax uses power(e, x) for exp: its error against float64 stays
+    that of mx.softmax (the float32 input's own rounding), and -inf gives 0."""
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(size=(4, 4096)) * 6).astype(np.float32)
+    logits[0, :10] = -np.inf
+    exact = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+    exact /= exact.sum(-1, keepdims=True)
+    ours = _np(sampling.softmax(mx.array(logits)))
+    library = _np(mx.softmax(mx.array(logits), axis=-1, precise=True))
+    tiny = exact > 1e-30
+    assert (ours[0, :10] == 0).all()
+    assert np.abs(ours - exact)[tiny].max() <= 2 * np.abs(library - exact)[tiny].max() + 1e-12
+    np.testing.assert_allclose(ours.sum(-1), 1.0, rtol=1e-5)  # a float32 sum of 4096 terms
+
+
+FILTER_SETTINGS = [
+    SamplerSettings(temperature=0.6, top_p=0.95),
+    SamplerSettings(temperature=1.0, top_p=0.5),
+    SamplerSettings(temperature=0.6, top_p=0.9, top_k=2),
+    SamplerSettings(temperature=0.6, top_p=0.95, top_k=20),
+    SamplerSettings(temperature=0.6, top_p=0.9, top_k=40),
+    SamplerSettings(temperature=0.6, top_p=0.95, top_k=200),
+    SamplerSettings(temperature=0.6, top_p=0.9, min_p=0.05),
+    SamplerSettings(temperature=0.6, top_k=3),
+]
+
+
+@pytest.mark.parametrize("settings", FILTER_SETTINGS, ids=str)
+@pytest.mark.parametrize("name", ["peaked", "flat", "mixed", "ties", "wide-ties"])
+def test_top_p_shortcut_full_sort_and_definition_agree(name, settings, monkeypatch):
+    logits = mx.array(filter_case(name).astype(np.float32))
+    V = logits.shape[-1]
+    full_sorts = []
+    sort = mx.sort
+    monkeypatch.setattr(mx, "sort", lambda a, **kw: full_sorts.append(a.shape[-1] == V) or sort(a, **kw))
+    eager = probabilities(logits, settings)
+    took_full_sort = any(full_sorts)
+    unsynced = probabilities(logits, settings, sync=False)
+    compiled = compiled_probabilities(settings)(logits)
+    monkeypatch.undo()
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 1)  # never enough: always the full sort
+    full_sort = probabilities(logits, settings, sync=False)
+    # Exactly the same floats, whichever path each ran.
+    for other in (unsynced, compiled, full_sort):
+        np.testing.assert_array_equal(_np(eager), _np(other))
+    # Row by row, alone (peaked rows take the shortcut), equals the batch.
+    for i in range(logits.shape[0]):
+        np.testing.assert_array_equal(_np(probabilities(logits[i : i + 1], settings))[0], _np(eager)[i])
+
+    probs = np.array(sampling.softmax(logits / settings.temperature), np.float64)
+    keep = reference_keep(probs, settings)
+    np.testing.assert_array_equal(_np(eager) > 0, keep)
+    # float32 renormalisation over up to ~600 kept tokens: a few 1e-5 of rounding
+    np.testing.assert_allclose(_np(eager), keep * probs / (keep * probs).sum(-1, keepdims=True), rtol=5e-5)
+    if settings.top_p < 1:
+        in_k = reference_keep(probs, SamplerSettings(top_k=settings.top_k))
+        nucleus = reference_keep(probs, SamplerSettings(top_p=settings.top_p, top_k=settings.top_k))
+        kept = (nucleus * probs).sum(-1) / (in_k * probs).sum(-1)  # the engine's mask before min-p
+        assert (kept >= settings.top_p * (1 - 1e-6)).all()
+        # The full sort runs iff the candidates miss part of the top-k set and in
+        # some row the last candidate is still kept.
+        descending = -np.sort(-(in_k * probs), axis=-1)
+        before_last = descending[:, : TOP_P_CANDIDATES - 1].sum(-1)
+        some_row_long = (before_last < settings.top_p * descending.sum(-1)).any()
+        assert took_full_sort == (in_k.sum(-1).max() > TOP_P_CANDIDATES and some_row_long)
+    if name == "ties":
+        kept = (_np(eager) > 0).sum(-1).tolist()
+        if settings.top_k == 2:
+            assert kept == [2, 2]  # exactly 2 of the tied 0.2s (the lowest ids)
+        elif settings.top_p == 0.5:
+            assert kept == [4, 4]  # 0.4 before each 0.2, below 0.5: all three kept
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,10 @@ family-agnostic:
 
     forward(tokens, cache, tape)   trunk forward: logits and the hidden states
                                    the first MTP head consumes
-    head(k, hidden, tokens, cache) MTP head k on (hidden_i, token_{i+k+1}) pairs
+    head(k, hidden, tokens, cache, last)
+                                   MTP head k on (hidden_i, token_{i+k+1}) pairs;
+                                   with last=True, logits of the last pair only
+                                   (drafting needs no more: an LM head is big)
     rewind(cache, tape, keep)      undo a verify window except its first `keep`
                                    positions (attention KV trim, recurrent replay)
 
@@ -96,9 +99,9 @@ class Backend:
         raise NotImplementedError
 
     def head(
-        self, k: int, hidden: mx.array, tokens: mx.array, cache: KVCache
+        self, k: int, hidden: mx.array, tokens: mx.array, cache: KVCache, last: bool = False
     ) -> tuple[mx.array, mx.array]:
-        """Run head k. Returns (logits, hidden for head k+1)."""
+        """Run head k. Returns (logits, hidden for head k+1); logits [1, 1, V] when `last`."""
         raise NotImplementedError
 
     def replay(self, layer: int, mixer_input: mx.array, cache: ArraysCache) -> None:

@@ -59,9 +59,9 @@ class Glm4MoeBackend(Backend):
         h = model.norm(h)
         return self.trunk.lm_head(h), h
 
-    def head(self, k, hidden, tokens, cache):
+    def head(self, k, hidden, tokens, cache, last=False):
         h = self.heads[k](hidden, self.trunk.model.embed_tokens(tokens), cache)
-        return self.trunk.lm_head(h), h
+        return self.trunk.lm_head(h[:, -1:] if last else h), h
 
 
 def load(folder: Path, config: dict, weights: dict) -> Glm4MoeBackend:

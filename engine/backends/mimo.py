@@ -13,16 +13,23 @@ vector its LM head reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import mimo
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, create_causal_mask, scaled_dot_product_attention
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
+from engine.backends.decode_ops import RopeTable, apply_rope, cpu_attention
 
 HEAD_PREFIX = "model.mtp_layers."
+# Steps of at most this many tokens (decode steps, verify windows, drafts) run
+# through mx.compile'd block functions, traced once per shape; longer prefill
+# chunks run the same functions eagerly.
+COMPILED_MAX_TOKENS = 8
 
 
 class MTPLayer(mimo.TransformerBlock):
@@ -36,35 +43,120 @@ class MTPLayer(mimo.TransformerBlock):
         self.input_proj = nn.Linear(2 * d, d, bias=False)
         self.final_layernorm = nn.RMSNorm(d, eps=eps)
 
-    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:
+    def fuse(self, hidden: mx.array, embeds: mx.array) -> mx.array:
         x = mx.concatenate(
             [self.hidden_layernorm(hidden), self.token_layernorm(embeds)], axis=-1
         )
-        x = self.input_proj(x)
+        return self.input_proj(x)
+
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:
+        x = self.fuse(hidden, embeds)
         x = super().__call__(x, create_attention_mask(x, cache), cache)
         return self.final_layernorm(x)
 
 
+# -- one decoder block, split around the KV cache ----------------------------------
+# The same math as mlx-lm's mimo.TransformerBlock, with the rotary embedding read
+# from a table (engine/backends/decode_ops.py). Everything but the cache update and the
+# attention itself is a pure function of its inputs and the block's weights, so a
+# decode step can run it compiled: on the CPU each op costs ~10-40 us of dispatch
+# whatever its size, and fusing the norms, biases, rotary and SwiGLU halves a step
+# of the embedded model.
+
+
+def attention_inputs(block: nn.Module, x: mx.array, cos: mx.array, sin: mx.array):
+    attn = block.self_attn
+    B, L, _ = x.shape
+    h = block.input_layernorm(x)
+    q = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def block_output(block: nn.Module, x: mx.array, attended: mx.array) -> mx.array:
+    B, L, _ = x.shape
+    h = x + block.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    return h + block.mlp(block.post_attention_layernorm(h))
+
+
 class MiMoBackend(Backend):
     family = "mimo"
+
+    def __init__(self, trunk: mimo.Model, heads: list[MTPLayer]):
+        super().__init__(trunk, heads)
+        rope = trunk.model.layers[0].self_attn.rope
+        head_dim = trunk.args.hidden_size // trunk.args.num_attention_heads
+        self.rope = RopeTable(rope, head_dim) if RopeTable.supports(rope) else None
+        self._compiled: dict[tuple[str, int], Callable] = {}
+
+    def forward(self, tokens, cache, tape: Tape | None = None):
+        model = self.trunk.model
+        h = model.embed_tokens(tokens)
+        mask = self._mask(h, cache[0])
+        for layer, c in zip(model.layers, cache):
+            h = self._block(layer, h, mask, c)
+        return self._output(model.norm, h)
+
+    def head(self, k, hidden, tokens, cache, last=False):
+        head = self.heads[k]
+        embeds = self.trunk.model.embed_tokens(tokens)
+        x = self._step("fuse", head, head.fuse, hidden.shape[1])(hidden, embeds)
+        x = self._block(head, x, self._mask(x, cache), cache)
+        return self._output(head.final_layernorm, x, last)
+
+    def _block(self, block: nn.Module, x: mx.array, mask, cache) -> mx.array:
+        if self.rope is None:  # interleaved rotary: mlx-lm's own block
+            return block(x, mask, cache)
+        length = x.shape[1]
+        prepare = self._step("attention_inputs", block, partial(attention_inputs, block), length)
+        q, k, v = prepare(x, *self.rope.slices(cache.offset, length))
+        k, v = cache.update_and_fetch(k, v)
+        scale = block.self_attn.scale
+        if self._cpu_decode(length):
+            attended = cpu_attention(q, k, v, scale, mask)  # eager: the cache length changes every step
+        else:
+            attended = scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)
+        return self._step("block_output", block, partial(block_output, block), length)(x, attended)
+
+    def _cpu_decode(self, length: int) -> bool:
+        """A decode-sized step on the CPU: attention by `cpu_attention`."""
+        return length <= COMPILED_MAX_TOKENS and mx.default_device() == mx.cpu
+
+    def _mask(self, x: mx.array, cache):
+        """The attention mask of a step, built once for all its layers."""
+        length = x.shape[1]
+        if self.rope is not None and self._cpu_decode(length):
+            return create_causal_mask(length, cache.offset) if length > 1 else None
+        return create_attention_mask(x, cache)
+
+    def _output(self, norm: nn.Module, x: mx.array, last: bool = False) -> tuple[mx.array, mx.array]:
+        """(logits, normed hidden): the final norm, then the LM head (on the last
+        position only when `last`)."""
+        def output(x: mx.array) -> tuple[mx.array, mx.array]:
+            h = norm(x)
+            return self._lm_head(h[:, -1:] if last else h), h
+
+        lm_head = self.trunk.model.embed_tokens if self.trunk.args.tie_word_embeddings else self.trunk.lm_head
+        name = "output_last" if last else "output"
+        return self._step(name, norm, output, x.shape[1], [norm.state, lm_head.state])(x)
 
     def _lm_head(self, h: mx.array) -> mx.array:
         if self.trunk.args.tie_word_embeddings:
             return self.trunk.model.embed_tokens.as_linear(h)
         return self.trunk.lm_head(h)
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
-        model = self.trunk.model
-        h = model.embed_tokens(tokens)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(model.layers, cache):
-            h = layer(h, mask, c)
-        h = model.norm(h)
-        return self._lm_head(h), h
-
-    def head(self, k, hidden, tokens, cache):
-        h = self.heads[k](hidden, self.trunk.model.embed_tokens(tokens), cache)
-        return self._lm_head(h), h
+    def _step(self, name: str, module: nn.Module, fn: Callable, length: int, state=None) -> Callable:
+        """`fn`, a pure function of its inputs and `module`'s weights (or `state`),
+        compiled for steps of up to COMPILED_MAX_TOKENS tokens; eager for longer ones.
+        Declaring the weights as inputs makes the compiled function read their
+        current values rather than freezing the ones it was traced with."""
+        if length > COMPILED_MAX_TOKENS:
+            return fn
+        key = (name, id(module))
+        if key not in self._compiled:
+            self._compiled[key] = mx.compile(fn, inputs=module.state if state is None else state)
+        return self._compiled[key]
 
 
 def head_count(weights: dict) -> int:

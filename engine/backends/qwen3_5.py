@@ -98,9 +98,9 @@ class Qwen3_5Backend(Backend):
         h = model.norm(h)
         return self._lm_head(h), h
 
-    def head(self, k, hidden, tokens, cache):
+    def head(self, k, hidden, tokens, cache, last=False):
         h = self.heads[k](hidden, self.text.model.embed_tokens(tokens), cache)
-        return self._lm_head(h), h
+        return self._lm_head(h[:, -1:] if last else h), h
 
     def replay(self, layer, mixer_input, cache):
         # Same call the forward made, over the kept prefix only, from the restored state.

@@ -1,0 +1,171 @@
+"""The fast decode path against the reference implementations it replaces:
+the MiMo backend's compiled blocks against mlx-lm's modules, the rotary table
+against mx.fast.rope, and the BLAS shim's matrix-vector route against numpy."""
+
+from __future__ import annotations
+
+import ctypes
+
+import engine  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.rope_utils import initialize_rope
+
+from engine.backends import mimo
+from engine.backends.decode_ops import FIRST_SIZE, RopeTable, apply_rope, cpu_attention
+from engine.blas import ensure_fast_blas
+from tests.engine_helpers import available_families, load_family
+
+TOLERANCE = 1e-4
+
+
+def close(a: mx.array, b: mx.array) -> float:
+    return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    return load_family(tmp_path_factory.mktemp("mimo"), "mimo", mtp_heads=2).backend
+
+
+def test_trunk_matches_mlx_lm_in_prefill_and_decode_steps(backend):
+    """Prefill (eager, > COMPILED_MAX_TOKENS) then 1- and 4-token steps (compiled):
+    logits, hidden states and KV caches equal mlx-lm's own model's."""
+    prompt = mx.array([list(range(3, 3 + 2 * mimo.COMPILED_MAX_TOKENS + 3))])
+    ours, theirs = backend.make_cache(), backend.make_cache()
+    for tokens in (prompt, mx.array([[7]]), mx.array([[8, 9, 10, 11]]), mx.array([[12]])):
+        logits, _ = backend.forward(tokens, ours)
+        reference = backend.trunk(tokens, cache=theirs)
+        assert close(logits, reference) < TOLERANCE
+    for a, b in zip(ours, theirs):
+        assert a.offset == b.offset
+        assert close(a.state[0], b.state[0]) < TOLERANCE and close(a.state[1], b.state[1]) < TOLERANCE
+
+
+def test_heads_match_the_module_forward(backend):
+    cache_a, cache_b = backend.make_head_caches()[0], backend.make_head_caches()[0]
+    head = backend.heads[0]
+    embed = backend.trunk.model.embed_tokens
+    for length in (12, 1, 3):
+        hidden = mx.random.normal((1, length, backend.trunk.args.hidden_size), key=mx.random.key(length))
+        tokens = mx.arange(length)[None] + 5
+        logits, h = backend.head(0, hidden, tokens, cache_a)
+        reference = head(hidden, embed(tokens), cache_b)
+        assert close(h, reference) < TOLERANCE
+        assert close(logits, backend._lm_head(reference)) < TOLERANCE
+
+
+def test_compiled_blocks_see_weight_changes(tmp_path):
+    """The compiled functions read the block's current weights, not the ones traced."""
+    backend = load_family(tmp_path, "mimo").backend
+    step = mx.array([[4]])
+    backend.forward(step, backend.make_cache())  # traces the compiled blocks
+    layer = backend.trunk.model.layers[0]
+    layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 3.0
+    logits, _ = backend.forward(step, backend.make_cache())
+    reference = backend.trunk(step, cache=backend.make_cache())
+    assert close(logits, reference) < TOLERANCE
+
+
+@pytest.mark.parametrize("scaling", [None, {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+                                     {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}],
+                         ids=["plain", "llama3", "yarn"])
+def test_rope_table_equals_the_rope_module(scaling):
+    head_dim = 64
+    rope = initialize_rope(head_dim, base=10000.0, traditional=False, scaling_config=scaling,
+                           max_position_embeddings=4096)
+    table = RopeTable(rope, head_dim)
+    x = mx.random.normal((1, 3, 5, head_dim), key=mx.random.key(1))
+    # offsets inside the first table and across the first doubling
+    for offset in (0, 17, FIRST_SIZE - 2, FIRST_SIZE + 100):
+        expected = rope(x, offset=offset)
+        assert close(apply_rope(x, *table.slices(offset, 5)), expected) < 1e-4
+    assert table.cos.shape[0] == 2 * FIRST_SIZE
+
+
+def test_interleaved_rope_is_not_tabulated(tmp_path):
+    rope = initialize_rope(64, base=10000.0, traditional=True, scaling_config=None,
+                           max_position_embeddings=4096)
+    assert not RopeTable.supports(rope)
+
+
+@pytest.fixture
+def few_rows_kernel():
+    """The shim's switch for its few-row kernel (restored on)."""
+    if ensure_fast_blas().library != "openblas" or ensure_fast_blas().path is None:
+        pytest.skip("the shim serves OpenBLAS on Linux only")
+    switch = ctypes.CDLL(ensure_fast_blas().path).mtplxd_few_rows
+    yield switch
+    switch(1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
+@pytest.mark.parametrize("n,k", [(4096, 192), (1031, 203), (64, 2100)])
+def test_few_row_products_of_the_blas_shim(few_rows_kernel, rows, n, k):
+    """Up to 8 rows against a large matrix skip sgemm (sgemv for one row, the
+    shim's own kernel for more, odd sizes and tails included); every operand
+    layout must still give numpy's float64 product, and the same as sgemm."""
+    rng = np.random.default_rng(rows * n)
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    expected = x.astype(np.float64) @ weight.T.astype(np.float64)
+    w, xs = mx.array(weight), mx.array(x)
+    x_strided = mx.array(np.ascontiguousarray(x.T)).T  # a transposed left operand
+    x_padded = mx.array(np.pad(x, ((0, 0), (0, 5))))[:, :k]  # rows lda = k + 5 apart
+    w_t = mx.array(np.ascontiguousarray(weight.T))  # an untransposed right operand
+    products = [xs @ w.T, x_strided @ w.T, x_padded @ w.T, xs @ w_t,
+                mx.addmm(mx.ones((rows, n)), xs, w.T, alpha=2.0, beta=0.5) - 0.5]
+    expected_all = [expected] * 4 + [2 * expected]
+    for product, want in zip(products, expected_all):
+        assert np.abs(np.array(product) - want).max() < 2e-3
+    few_rows_kernel(0)
+    with_sgemm = np.array(xs @ w.T)
+    assert np.abs(np.array(products[0]) - with_sgemm).max() < 2e-3
+
+
+def test_greedy_verification_is_the_exact_rule_on_one_hot_distributions():
+    from engine.speculative import verify, verify_greedy
+
+    rng = np.random.default_rng(0)
+    batch, depth, vocab = 64, 3, 40
+    logits = mx.array(rng.standard_normal((batch, depth + 1, vocab)).astype(np.float32))
+    best = np.array(mx.argmax(logits, axis=-1))
+    # each draft is the target's argmax with probability 0.7, another token otherwise
+    drafts = np.where(rng.random((batch, depth)) < 0.7, best[:, :depth], (best[:, :depth] + 1) % vocab)
+    p = mx.array(np.eye(vocab, dtype=np.float32)[best])
+    q = mx.array(np.eye(vocab, dtype=np.float32)[drafts])
+    n_fast, next_fast = verify_greedy(logits, mx.array(drafts))
+    for seed in range(3):
+        n_exact, next_exact = verify(p, q, mx.array(drafts), mx.random.key(seed))
+        assert np.array_equal(np.array(n_fast), np.array(n_exact))
+        assert np.array_equal(np.array(next_fast), np.array(next_exact))
+    assert 0 < int(mx.sum(n_fast == depth)) < batch  # both full and partial acceptance occur
+
+
+@pytest.mark.parametrize("heads,kv_heads,length", [(3, 1, 1), (3, 1, 4), (4, 2, 3), (4, 4, 2)])
+def test_cpu_attention_equals_the_library_kernel(heads, kv_heads, length):
+    cached = 37
+    keys = mx.random.split(mx.random.key(heads + length), 3)
+    q = mx.random.normal((1, heads, length, 16), key=keys[0])
+    k = mx.random.normal((1, kv_heads, cached + length, 16), key=keys[1])
+    v = mx.random.normal((1, kv_heads, cached + length, 16), key=keys[2])
+    mask = create_causal_mask(length, cached) if length > 1 else None
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal" if length > 1 else None)
+    assert close(cpu_attention(q, k, v, 0.25, mask), expected) < 1e-5
+    if length > 1:  # the mask matters: without it the result differs
+        assert close(cpu_attention(q, k, v, 0.25, None), expected) > 1e-3
+
+
+@pytest.mark.parametrize("family", available_families())
+def test_heads_give_the_last_logits_alone(tmp_path, family):
+    """Drafting asks a head for its last position's logits only: the same values."""
+    backend = load_family(tmp_path, family).backend
+    prompt = mx.array([[5, 6, 7, 8, 9]])
+    _, hidden = backend.forward(prompt, backend.make_cache())
+    every, _ = backend.head(0, hidden[:, :-1], prompt[:, 1:], backend.make_head_caches()[0])
+    last, _ = backend.head(0, hidden[:, :-1], prompt[:, 1:], backend.make_head_caches()[0], last=True)
+    assert last.shape[1] == 1
+    assert close(last, every[:, -1:]) < TOLERANCE
