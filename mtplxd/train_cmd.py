@@ -12,14 +12,14 @@ checkpoint that has none (its trunk frozen, heads distilled from its own
 next-token distribution; the output folder is the original files plus
 mtp.safetensors and an updated config.json).
 
-Defaults (the shipped model): byte-level BPE vocab 4096, hidden 256, 12 layers
-(FFN 640, 4 attention / 2 KV heads, tied embeddings), 2 MTP heads: 11.0M
-parameters, 21.9 MB in bfloat16 (a deep trunk and light heads are what make
-speculative decoding pay); seq-len 256, batch 8, 600 steps (1.2M tokens, about
-50 minutes on 2 shared CPU cores at ~400 tokens/s), lr 2e-3 (warmup, cosine
-decay to 10%), 1 BLAS thread; corpus: this Python's standard library minus
-tests and a fixed held-out list. Heads-only defaults: 2 heads, 600 steps,
-lr 1e-3, seq-len 256, batch 8.
+Defaults (the shipped model's first stage): byte-level BPE vocab 4096, hidden
+192, 8 layers (FFN 480, 3 attention / 1 KV heads, tied embeddings), 2 MTP
+heads: 4.7M parameters, 9.7 MB in bfloat16; seq-len 256, batch 8, 1500 steps
+(3.1M tokens), lr 3e-3 (warmup, cosine decay to 10% by the step count or
+--max-minutes, whichever ends first), 1 BLAS thread; corpus: this Python's
+standard library minus tests and a fixed held-out list. Heads-only defaults:
+2 heads, 600 steps, lr 1e-3, seq-len 256, batch 8. The shipped model's two
+commands are in engine/assets/README.md.
 
 Checkpoints every --save-every steps and on Ctrl-C; --resume continues from
 the last one (data order, optimizer state and schedule included). Progress,
