@@ -19,11 +19,11 @@ tabulated: `RopeTable.supports` says so and the caller keeps the module.
 
 from __future__ import annotations
 
-import math
-
 # Being inside the engine package, engine/__init__ (the BLAS fix) has already run.
 import mlx.core as mx
 import mlx.nn as nn
+
+from engine.sampling import softmax
 
 FIRST_SIZE = 4096  # positions tabulated before the first doubling
 
@@ -72,8 +72,8 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.
 
     There the softmax dominates: the CPU `exp` costs ~27 ns an element (a verify
     window of 4 tokens, 3 heads and 450 cached positions: 5,400 of them a layer),
-    while `power(e, x)` costs under half of that: this form took 174 us where the
-    library's took 330 (measured side by side). Not compiled: the key length grows
+    while `power(e, x)` (engine.sampling.softmax) costs under half of that: this form
+    took 174 us where the library's took 330 (measured side by side). Not compiled: the key length grows
     every step and each new shape would be traced again. Metal keeps the fused kernel. Shapes: q [B, H, L, D]; k, v [B, H_kv, T, D];
     mask [L, T] bool (True = may attend) or None; query head h reads kv head
     h // (H / H_kv), as the library's grouped-query attention does.
@@ -84,6 +84,4 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.
     scores = (q * scale).reshape(B, kv_heads, group * L, D) @ k.swapaxes(-1, -2)
     if mask is not None:
         scores = mx.where(mx.tile(mask, (group, 1)), scores, -mx.inf)
-    weights = mx.power(math.e, scores - scores.max(axis=-1, keepdims=True))
-    weights = weights / weights.sum(axis=-1, keepdims=True)
-    return (weights @ v).reshape(B, H, L, D).astype(q.dtype)
+    return (softmax(scores) @ v).reshape(B, H, L, D).astype(q.dtype)
