@@ -36,7 +36,7 @@ import numpy as np
 
 from engine.backends.base import Backend, Tape
 from engine.blas import decode_threads
-from engine.sampling import SamplerSettings, compiled_probabilities, probabilities
+from engine.sampling import SamplerSettings, compiled_probabilities, probabilities, provisional_probabilities
 from engine.session_mlx import (
     capture_head,
     capture_layer,
@@ -116,6 +116,7 @@ class Generation:
         self._first_logits: mx.array | None = None  # restored whole prompt: sample the first token from these
         self._extra_fed: list[int] = []  # fed to the trunk but cut from `tokens` by a stop or the budget
         self._sampled = False  # the first token has been sampled
+        self._checks: list[mx.array] = []  # top-p shortcuts taken since the last sync (sampling.py)
         if restore is not None:
             self._restore(restore.snapshot, restore.length)
 
@@ -155,22 +156,39 @@ class Generation:
         self._fed += len(chunk)
         self._queue_trunk_hidden(hidden)
         self._log_hidden(hidden)
+        self._advance_heads()
+        heads = [[c.state for c in self.head_caches], [h.pending for h in self._heads if h.pending is not None]]
         if self._fed < len(self.request.prompt):
-            mx.eval([c.state for c in self.cache], self._heads[0].pending if self._heads else [],
-                    self._hidden_log[-1:])
+            mx.eval([c.state for c in self.cache], heads, self._hidden_log[-1:])
             return StepResult([], prefill_tokens=len(chunk))
         last = logits[:, -1]
-        first, _ = self._draw(last)
-        result = self._commit([int(first.item())])
+        result = self._commit([self._draw_token(last)])
+        mx.eval(heads)
         self._log_logits(last)
         result.prefill_tokens = len(chunk)
         return result
 
+    def _advance_heads(self) -> None:
+        """Feed each head the pending positions whose tokens are committed: in
+        prefill, the prompt's. That is prompt work: done here, in chunks, it keeps
+        the first decode cycle from running every head over the whole prompt
+        (a step several times longer than the others)."""
+        for k, (state, cache) in enumerate(zip(self._heads, self.head_caches)):
+            start = cache.offset
+            waiting = 0 if state.pending is None else state.pending.shape[1]
+            end = min(start + waiting, len(self.tokens) - k - 1)  # token_{p+k+1} is committed for p < end
+            if end <= start:
+                return  # the later heads wait for this one's outputs
+            tokens = mx.array(self.tokens[start + k + 1 : end + k + 1])[None]
+            _, outputs = self.backend.head(k, state.pending[:, : end - start], tokens, cache, last=True)
+            state.pending = state.pending[:, end - start :]
+            if k + 1 < len(self._heads):
+                self._heads[k + 1].pending = _concat(self._heads[k + 1].pending, outputs)
+
     def _first_from_restored(self) -> StepResult:
         """The whole prompt came from a snapshot: sample from its stored logits."""
         logits, self._first_logits = self._first_logits, None
-        first, _ = self._draw(logits)
-        return self._commit([int(first.item())])
+        return self._commit([self._draw_token(logits)])
 
     # -- plain autoregressive decoding -----------------------------------------
 
@@ -178,23 +196,31 @@ class Generation:
         logits, hidden = self.backend.forward(mx.array([[self.tokens[-1]]]), self.cache)
         self._fed += 1
         self._log_hidden(hidden)
-        token, _ = self._draw(logits[:, -1])
-        result = self._commit([int(token.item())])
+        result = self._commit([self._draw_token(logits[:, -1])])
         self._log_logits(logits[:, -1])
         return result
 
     # -- speculative cycle -----------------------------------------------------
 
-    def _mtp_cycle(self) -> StepResult:
+    def _mtp_cycle(self, exact: bool = False) -> StepResult:
+        """One draft-and-verify cycle, with a single host sync at its end. `exact`:
+        filter without the top-p shortcut, for the rare cycle it did not cover;
+        that cycle is undone and run again with the same keys."""
         depth = self.request.depth
         T = len(self.tokens) - 1  # index of the last committed token, not yet fed
         offsets = [c.offset for c in self.head_caches]
-        drafts, q, head_inputs = self._draft(T, depth)
+        key = self._key
+        drafts, q, head_inputs = self._draft(T, depth, exact)
         tape = Tape(length=depth + 1)
         window = mx.concatenate([mx.array([self.tokens[-1]]), drafts])[None]
         logits, hidden = self.backend.forward(window, self.cache, tape)
-        n_accepted, next_token = self._verify(logits, q, drafts)
-        mx.eval(n_accepted, next_token, drafts)
+        n_accepted, next_token = self._verify(logits, q, drafts, exact)
+        if not self._covered(n_accepted, next_token, drafts):
+            self.backend.rewind(self.cache, tape, keep=0)
+            for cache, offset in zip(self.head_caches, offsets):
+                cache.trim(cache.offset - offset)
+            self._key = key
+            return self._mtp_cycle(exact=True)
         m = int(n_accepted.item())
         self.backend.rewind(self.cache, tape, keep=m + 1)
         self._fed = T + m + 1
@@ -210,8 +236,8 @@ class Generation:
         result.accepted = [i < m for i in range(depth)]
         return result
 
-    def _draft(self, T: int, depth: int) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        """Draft `depth` tokens with the heads, on device (top-p may sync once a draft)."""
+    def _draft(self, T: int, depth: int, exact: bool) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        """Draft `depth` tokens with the heads, on device."""
         drafts: list[mx.array] = []
         q: list[mx.array] = []
         head_inputs: list[mx.array] = []
@@ -224,27 +250,27 @@ class Generation:
             committed = self.tokens[start + k + 1 : T + 1]
             tokens = mx.concatenate([mx.array(committed, dtype=mx.int32), *drafts])[None]
             logits, outputs = self.backend.head(k, hidden_in, tokens, cache, last=True)
-            self._add_draft(logits[:, -1], drafts, q)
+            self._add_draft(logits[:, -1], drafts, q, exact)
         final = len(self._heads) - 1
         while len(drafts) < depth:  # reuse the last head recurrently
             logits, outputs = self.backend.head(
                 final, outputs[:, -1:], drafts[-1][None], self.head_caches[final], last=True
             )
-            self._add_draft(logits[:, -1], drafts, q)
+            self._add_draft(logits[:, -1], drafts, q, exact)
         return mx.concatenate(drafts), q, head_inputs
 
-    def _add_draft(self, logits: mx.array, drafts: list, q: list) -> None:
-        token, probs = self._draw(logits)  # probs [1, V], or None when greedy
+    def _add_draft(self, logits: mx.array, drafts: list, q: list, exact: bool) -> None:
+        token, probs = self._draw(logits, self._next_key(), exact)  # probs [1, V], or None when greedy
         drafts.append(token)
         q.append(probs)
 
-    def _verify(self, logits: mx.array, q: list, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    def _verify(self, logits: mx.array, q: list, drafts: mx.array, exact: bool) -> tuple[mx.array, mx.array]:
         """The exact rule on the verify window's logits [1, K+1, V]; greedy decoding
         needs no distributions: it is the same rule on one-hot p and q."""
         key = self._next_key()
         if self.request.sampler.greedy:
             return verify_greedy(logits, drafts[None])
-        p = self._probs(logits[0])[None]
+        p = self._probs(logits[0], exact)[None]
         return compiled_verify(p, mx.stack(q, axis=1), drafts[None], key)
 
     def _trim_heads(self, T: int, m: int, offsets: list[int], head_inputs: list[mx.array]) -> None:
@@ -370,19 +396,41 @@ class Generation:
         if self._heads:
             self._heads[0].pending = _concat(self._heads[0].pending, hidden)
 
-    def _probs(self, logits: mx.array) -> mx.array:
+    def _probs(self, logits: mx.array, exact: bool) -> mx.array:
+        """Filtered probabilities; unless `exact`, provisional ones whose check joins
+        `_checks` for the next `_covered`."""
+        logits = logits.astype(mx.float32)
+        if exact:
+            return probabilities(logits, self.request.sampler)
         if self.request.compiled:
-            return compiled_probabilities(self.request.sampler)(logits.astype(mx.float32))
-        return probabilities(logits.astype(mx.float32), self.request.sampler)
+            probs, covered = compiled_probabilities(self.request.sampler)(logits)
+        else:
+            probs, covered = provisional_probabilities(logits, self.request.sampler)
+        if covered is not None:
+            self._checks.append(covered)
+        return probs
 
-    def _draw(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+    def _covered(self, *results: mx.array) -> bool:
+        """Evaluate results with the pending top-p checks; whether all held."""
+        checks, self._checks = self._checks, []
+        mx.eval(*results, *checks)
+        return all(check.item() for check in checks)
+
+    def _draw_token(self, logits: mx.array) -> int:
+        """One token from logits [1, V], on the host."""
+        key = self._next_key()
+        token, _ = self._draw(logits, key, exact=False)
+        if not self._covered(token):
+            token, _ = self._draw(logits, key, exact=True)
+        return int(token.item())
+
+    def _draw(self, logits: mx.array, key: mx.array, exact: bool) -> tuple[mx.array, mx.array | None]:
         """A token (int32 [1]) from the filtered distribution of logits [1, V], and that
         distribution; None when greedy, where the argmax is the one-hot's only token.
         A key is used either way, so greedy and sampled runs split keys alike."""
-        key = self._next_key()
         if self.request.sampler.greedy:
             return mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32), None
-        probs = self._probs(logits)
+        probs = self._probs(logits, exact)
         return sample(probs, key), probs
 
     def _next_key(self) -> mx.array:

@@ -6,8 +6,8 @@ loads (`auto_profile`) unless `--profile` or a request names another:
     sustained  the default: long contexts, chunked prefill (bounded memory per
                step, so other requests interleave), depth up to 2
     burst      short contexts, lowest latency: big prefill chunks, depth up to 3
-    turbo      quantized models: compiled sampling filters (no host sync inside a
-               cycle, for GPUs), the deepest profitable depth (up to 3)
+    turbo      quantized models: compiled sampling filters (fewer dispatches, for
+               GPUs), the deepest profitable depth (up to 3)
 
 Which depth a profile decodes with is not guessed: `mtplxd bench` (or the
 daemon's own background calibration) measures AR against MTP at each depth

@@ -3,8 +3,8 @@
 Speculative decoding is exact only with respect to the *filtered* target, so the
 same `probabilities` must be applied to the target logits and to the draft
 logits (REFERENCE §2). Everything here is mx ops on float32 and batched over
-leading dims; the only host sync is top-p's shortcut, off under mx.compile
-(`_top_p_cut`).
+leading dims; the only host sync is the check of top-p's shortcut, which
+`provisional_probabilities` leaves to its caller (`_top_p_cut`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 
 # Being inside the engine package, engine/__init__ (the BLAS fix) has already run.
 import mlx.core as mx
@@ -50,30 +50,52 @@ TOP_P_CANDIDATES = 512
 
 
 @lru_cache(maxsize=32)
-def compiled_probabilities(settings: SamplerSettings) -> Callable[[mx.array], mx.array]:
-    """`probabilities` for fixed settings, traced once per shape by mx.compile
-    (which cannot sync with the host, so top-p may take the full sort more often)."""
-    return mx.compile(partial(probabilities, settings=settings, sync=False))
+def compiled_probabilities(settings: SamplerSettings) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    """`provisional_probabilities` for fixed settings, traced once per shape by
+    mx.compile (covered is always an array here)."""
+
+    def provisional(logits: mx.array) -> tuple[mx.array, mx.array]:
+        probs, covered = provisional_probabilities(logits, settings)
+        return probs, mx.array(True) if covered is None else covered
+
+    return mx.compile(provisional)
 
 
-def probabilities(logits: mx.array, settings: SamplerSettings, *, sync: bool = True) -> mx.array:
+def probabilities(logits: mx.array, settings: SamplerSettings) -> mx.array:
     """Logits [..., V] -> float32 probabilities [..., V] after all filters.
 
     Order: temperature, top-k, top-p (on the top-k renormalised mass), min-p,
     renormalise. Temperature 0 returns the one-hot of the argmax (first index
     on ties); every filter keeps the top token, so filtering cannot change it.
-    `sync=False` forbids the host sync of the top-p shortcut (for mx.compile);
-    the result is the same either way.
+    Syncs with the host at most once, to check the top-p shortcut.
     """
+    probs, covered = provisional_probabilities(logits, settings)
+    if covered is None or covered.item():
+        return probs
+    return _filtered(logits, settings, shortcut=False)[0]
+
+
+def provisional_probabilities(logits: mx.array, settings: SamplerSettings) -> tuple[mx.array, mx.array | None]:
+    """`probabilities` without a host sync: (probs, covered). The top-p cut is sought
+    among the TOP_P_CANDIDATES most probable tokens only; `covered` (a bool array,
+    or None when there was nothing to check) says whether they held it. Where it
+    is true, probs equal `probabilities` exactly; where false, they must not be
+    used. A caller evaluates `covered` with its other results, so a decode cycle
+    needs no sync of its own, and redoes the work with `probabilities` in the rare
+    case that it is false."""
+    return _filtered(logits, settings, shortcut=True)
+
+
+def _filtered(logits: mx.array, settings: SamplerSettings, shortcut: bool) -> tuple[mx.array, mx.array | None]:
     logits = logits.astype(mx.float32)
     if settings.greedy:
-        return _one_hot_argmax(logits)
+        return _one_hot_argmax(logits), None
     probs = softmax(logits / settings.temperature)
-    keep = _keep_mask(probs, settings, sync)
+    keep, covered = _keep_mask(probs, settings, shortcut)
     if keep is None:
-        return probs
+        return probs, None
     probs = mx.where(keep, probs, 0.0)
-    return probs / probs.sum(axis=-1, keepdims=True)
+    return probs / probs.sum(axis=-1, keepdims=True), covered
 
 
 def softmax(logits: mx.array) -> mx.array:
@@ -91,8 +113,9 @@ def _one_hot_argmax(logits: mx.array) -> mx.array:
     return (vocab == top).astype(mx.float32)
 
 
-def _keep_mask(probs: mx.array, s: SamplerSettings, sync: bool) -> mx.array | None:
-    """Boolean [..., V] of the tokens the filters keep; None when no filter is on.
+def _keep_mask(probs: mx.array, s: SamplerSettings, shortcut: bool) -> tuple[mx.array | None, mx.array | None]:
+    """Boolean [..., V] of the tokens the filters keep (None when no filter is on),
+    and whether the top-p shortcut held the cut (None when not taken).
 
     top-k is a rank cut (exactly k tokens, even with ties), top-p a cut on the
     mass of the more probable tokens within the top-k set, min-p a cut relative
@@ -104,18 +127,19 @@ def _keep_mask(probs: mx.array, s: SamplerSettings, sync: bool) -> mx.array | No
     use_p = s.top_p < 1.0  # skip at 1.0: float32 cumsum rounding could drop tail tokens
     use_min = s.min_p > 0.0
     if not (use_k or use_p or use_min):
-        return None
+        return None, None
 
-    keep = mx.array(True)
+    keep, covered = mx.array(True), None
     if use_k:
         keep = _top_k_mask(probs, s.top_k)
     if use_p:
         size = s.top_k if use_k else vocab_size
-        keep = keep & (probs >= _top_p_cut(mx.where(keep, probs, 0.0), s.top_p, sync, size))
+        cut, covered = _top_p_cut(mx.where(keep, probs, 0.0), s.top_p, size, shortcut)
+        keep = keep & (probs >= cut)
     if use_min:
         # Relative cut, so the renormalisation of top-k/top-p does not change it.
         keep = keep & (probs >= s.min_p * probs.max(axis=-1, keepdims=True))
-    return keep
+    return keep, covered
 
 
 def _top_k_mask(probs: mx.array, k: int) -> mx.array:
@@ -128,8 +152,9 @@ def _top_k_mask(probs: mx.array, k: int) -> mx.array:
     return above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
 
 
-def _top_p_cut(probs: mx.array, top_p: float, sync: bool, size: int) -> mx.array:
-    """[..., 1] the smallest probability top-p keeps: top-p keeps `probs >= cut`.
+def _top_p_cut(probs: mx.array, top_p: float, size: int, shortcut: bool) -> tuple[mx.array, mx.array | None]:
+    """([..., 1] the smallest probability top-p keeps, covered): top-p keeps
+    `probs >= cut`.
 
     A token is kept iff the mass of the tokens with strictly greater probability
     is < top_p times the total. On the descending sort, that mass is the
@@ -138,12 +163,12 @@ def _top_p_cut(probs: mx.array, top_p: float, sync: bool, size: int) -> mx.array
     values, hence the float32 cumsum, do not depend on how ties are ordered.
 
     Only `size` tokens can be kept (the top-k set; the rest are 0 here and
-    masked by the caller), so the cut is sought among the top TOP_P_CANDIDATES
-    first. That is final when they hold the whole set (the full sort would only
-    add zeros, whose cut keeps no more of it); else, with `sync`, one host sync
-    checks that every row's cut lies among them, and otherwise all rows take the
-    full sort. The candidates' cumsum is a prefix of the full one (MLX's CPU
-    scan adds in order), so all paths give the same mask.
+    masked by the caller). With `shortcut`, the cut is sought among the top
+    TOP_P_CANDIDATES only. That is final when they hold the whole set (the full
+    sort would only add zeros, whose cut keeps no more of it: covered is None);
+    otherwise covered says whether every row's cut lies among them (its last
+    candidate is cut). The candidates' cumsum is a prefix of the full one (MLX's
+    CPU scan adds in order), so where covered, both give the same mask.
     """
     threshold = top_p * probs.sum(axis=-1, keepdims=True)
 
@@ -152,9 +177,9 @@ def _top_p_cut(probs: mx.array, top_p: float, sync: bool, size: int) -> mx.array
         before = mx.cumsum(descending, axis=-1, inclusive=False)
         return mx.where(before < threshold, descending, mx.inf).min(axis=-1, keepdims=True), before
 
-    whole_set = size <= TOP_P_CANDIDATES
-    if whole_set or sync:
-        value, before = cut(mx.topk(probs, min(size, TOP_P_CANDIDATES), axis=-1))
-        if whole_set or mx.all(before[..., -1:] >= threshold).item():  # last candidate cut
-            return value
-    return cut(probs)[0]
+    if not shortcut:
+        return cut(probs)[0], None
+    value, before = cut(mx.topk(probs, min(size, TOP_P_CANDIDATES), axis=-1))
+    if size <= TOP_P_CANDIDATES:
+        return value, None
+    return value, mx.all(before[..., -1:] >= threshold)

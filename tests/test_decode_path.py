@@ -14,7 +14,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from engine.backends import mimo
-from engine.backends.decode_ops import FIRST_SIZE, RopeTable, apply_rope, cpu_attention
+from engine.backends.decode_ops import FIRST_SIZE, RopeTable, apply_rope, cpu_attention, grouped_mask
 from engine.blas import ensure_fast_blas
 from tests.engine_helpers import available_families, load_family
 
@@ -103,11 +103,12 @@ def few_rows_kernel():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
-@pytest.mark.parametrize("n,k", [(4096, 192), (1031, 203), (64, 2100)])
+@pytest.mark.parametrize("n,k", [(4096, 192), (1031, 203), (64, 2100), (7, 2048), (10, 1000)])
 def test_few_row_products_of_the_blas_shim(few_rows_kernel, rows, n, k):
-    """Up to 8 rows against a large matrix skip sgemm (sgemv for one row, the
-    shim's own kernel for more, odd sizes and tails included); every operand
-    layout must still give numpy's float64 product, and the same as sgemm."""
+    """Up to 8 rows of x @ W^T skip sgemm for the shim's own kernel (odd sizes,
+    tails, and matrices shorter than its prefetch distance included); every
+    operand layout must still give numpy's float64 product, and the same as
+    sgemm/sgemv."""
     rng = np.random.default_rng(rows * n)
     weight = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -152,11 +153,11 @@ def test_cpu_attention_equals_the_library_kernel(heads, kv_heads, length):
     q = mx.random.normal((1, heads, length, 16), key=keys[0])
     k = mx.random.normal((1, kv_heads, cached + length, 16), key=keys[1])
     v = mx.random.normal((1, kv_heads, cached + length, 16), key=keys[2])
-    mask = create_causal_mask(length, cached) if length > 1 else None
+    mask = grouped_mask(create_causal_mask(length, cached) if length > 1 else None, heads // kv_heads)
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal" if length > 1 else None)
-    assert close(cpu_attention(q, k, v, 0.25, mask), expected) < 1e-5
+    assert close(cpu_attention(q * 0.25, k, v, mask), expected) < 1e-5
     if length > 1:  # the mask matters: without it the result differs
-        assert close(cpu_attention(q, k, v, 0.25, None), expected) > 1e-3
+        assert close(cpu_attention(q * 0.25, k, v, None), expected) > 1e-3
 
 
 @pytest.mark.parametrize("family", available_families())

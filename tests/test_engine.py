@@ -66,6 +66,25 @@ def test_caches_match_one_by_one_after_partial_acceptance(tmp_path, family, head
     assert max_cache_diff(gen.head_caches, ref_heads) <= 1e-5
 
 
+@pytest.mark.parametrize("family", available_families())
+def test_heads_take_in_the_prompt_during_prefill(tmp_path, family):
+    """Prefill chunks feed the heads every prompt position whose tokens are known
+    (head k at p reads token p+k+1), so the first cycle drafts at once; the
+    head caches are those of feeding one position at a time."""
+    heads = 2
+    engine_ = load_family(tmp_path, family, mtp_heads=heads)
+    backend = engine_.backend
+    prompt = PROMPT * 2  # 20 tokens in chunks of 8, 8 and 4
+    gen = engine_.open(GenerationRequest(prompt=tuple(prompt), depth=heads, prefill_chunk=8, max_tokens=8))
+    used = len(gen.head_caches)
+    for expected in ([8, 8], [16, 16], [19, 18]):
+        gen.step()
+        assert [c.offset for c in gen.head_caches] == expected[:used]
+    _, ref_hidden = feed_one_by_one(backend, prompt)
+    ref_heads = reference_head_caches(backend, gen.tokens, ref_hidden, expected[:used])
+    assert max_cache_diff(gen.head_caches, ref_heads) <= 1e-5
+
+
 def test_abandoned_generations_release_memory(tmp_path):
     engine_ = load_family(tmp_path, "mimo", mtp_heads=1)
     prompt = tuple(range(10, 50)) * 8
@@ -144,3 +163,37 @@ def test_decode_steps_run_on_one_blas_thread_and_prefill_on_all(tmp_path):
         set_threads(before)
     assert seen[0] == (len(PROMPT), 2)  # the prefill chunk: every thread
     assert {threads for _, threads in seen[1:]} == {DECODE_THREADS}  # verify forwards: one
+
+
+@pytest.mark.parametrize("family", available_families())
+def test_steps_whose_top_p_shortcut_missed_are_redone_exactly(tmp_path, family, monkeypatch):
+    """A step samples with provisional top-p filters and checks them at its one
+    host sync; where the candidates missed a cut, the step is undone (caches,
+    heads, keys) and redone with the full sort. The tokens are those of runs that
+    never took the shortcut, however often it missed."""
+    from engine import generation, sampling
+
+    engine_ = load_family(tmp_path, family, mtp_heads=2 if family == "mimo" else 1)
+    vocab = len(engine_.tokenizer.vocab)
+    exact_filters = []
+    exact = sampling.probabilities
+    monkeypatch.setattr(generation, "probabilities", lambda *a, **k: exact_filters.append(1) or exact(*a, **k))
+
+    def tokens(candidates: int, compiled: bool = False) -> dict:
+        monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+        sampling.compiled_probabilities.cache_clear()
+        exact_filters.clear()
+        sampler = SamplerSettings(temperature=1.0, top_p=0.9)
+        return {
+            (mode, depth): run(engine_, PROMPT, mode=mode, depth=depth, sampler=sampler, max_tokens=24,
+                               seed=5, compiled=compiled)[0]
+            for mode, depth in (("ar", 1), ("mtp", 1), ("mtp", 3))
+        }
+
+    never = tokens(vocab)  # every candidate: nothing to check
+    assert not exact_filters
+    assert tokens(1) == never  # every shortcut misses
+    always = len(exact_filters)
+    assert tokens(vocab // 8) == never  # some do
+    assert 0 < len(exact_filters) < always
+    assert tokens(1, compiled=True) == never

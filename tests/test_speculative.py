@@ -16,7 +16,13 @@ import pytest
 from scipy.stats import chi2
 
 from engine import sampling, speculative
-from engine.sampling import TOP_P_CANDIDATES, SamplerSettings, compiled_probabilities, probabilities
+from engine.sampling import (
+    TOP_P_CANDIDATES,
+    SamplerSettings,
+    compiled_probabilities,
+    probabilities,
+    provisional_probabilities,
+)
 
 V = 4  # toy vocabulary
 LENGTH = 3  # toy sequence length: V**LENGTH = 64 sequences
@@ -373,8 +379,9 @@ def test_probabilities_greedy_is_one_hot_argmax():
 
 
 # Top-p looks for its cut among the top TOP_P_CANDIDATES and, where they may not
-# hold it, checks with one host sync (never under mx.compile) before falling back
-# to a full sort. All must agree
+# hold it, says so (`covered`): `probabilities` then checks with one host sync and
+# falls back to a full sort, `provisional_probabilities` leaves the check to its
+# caller. All must agree
 # with one tie-inclusive definition: keep a token iff the mass of the strictly more
 # probable tokens (within the top-k set) is < top_p times that set's mass.
 
@@ -455,13 +462,17 @@ def test_top_p_shortcut_full_sort_and_definition_agree(name, settings, monkeypat
     monkeypatch.setattr(mx, "sort", lambda a, **kw: full_sorts.append(a.shape[-1] == V) or sort(a, **kw))
     eager = probabilities(logits, settings)
     took_full_sort = any(full_sorts)
-    unsynced = probabilities(logits, settings, sync=False)
-    compiled = compiled_probabilities(settings)(logits)
+    provisional, covered = provisional_probabilities(logits, settings)
+    compiled, compiled_covered = compiled_probabilities(settings)(logits)
     monkeypatch.undo()
     monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 1)  # never enough: always the full sort
-    full_sort = probabilities(logits, settings, sync=False)
-    # Exactly the same floats, whichever path each ran.
-    for other in (unsynced, compiled, full_sort):
+    full_sort = probabilities(logits, settings)
+    # Exactly the same floats, whichever path each ran; the provisional ones
+    # claim to be covered exactly when no full sort was needed.
+    assert covered is None or bool(covered.item()) != took_full_sort
+    assert bool(compiled_covered.item()) != took_full_sort
+    others = [full_sort] + ([] if took_full_sort else [provisional, compiled])
+    for other in others:
         np.testing.assert_array_equal(_np(eager), _np(other))
     # Row by row, alone (peaked rows take the shortcut), equals the batch.
     for i in range(logits.shape[0]):

@@ -66,22 +66,29 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return (x * cos + rotated * sin).astype(x.dtype)
 
 
-def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+def grouped_mask(mask: mx.array | None, group: int) -> mx.array | None:
+    """A causal mask [L, T] repeated for the `group` query heads that read each kv
+    head, as cpu_attention takes it: built once a step rather than once a layer."""
+    return None if mask is None else mx.tile(mask, (group, 1))
+
+
+def cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
     """Attention of a few query positions, as mx.fast.scaled_dot_product_attention
-    computes it, for decode steps on the CPU.
+    computes it, for decode steps on the CPU; q comes already scaled.
 
     There the softmax dominates: the CPU `exp` costs ~27 ns an element (a verify
     window of 4 tokens, 3 heads and 450 cached positions: 5,400 of them a layer),
     while `power(e, x)` (engine.sampling.softmax) costs under half of that: this form
-    took 174 us where the library's took 330 (measured side by side). Not compiled: the key length grows
-    every step and each new shape would be traced again. Metal keeps the fused kernel. Shapes: q [B, H, L, D]; k, v [B, H_kv, T, D];
-    mask [L, T] bool (True = may attend) or None; query head h reads kv head
-    h // (H / H_kv), as the library's grouped-query attention does.
+    took 174 us where the library's took 330 (measured side by side). Not compiled:
+    the key length grows every step and each new shape would be traced again. Metal
+    keeps the fused kernel. Shapes: q [B, H, L, D]; k, v [B, H_kv, T, D]; mask
+    [H / H_kv * L, T] bool (True = may attend; `grouped_mask`) or None; query head
+    h reads kv head h // (H / H_kv), as the library's grouped-query attention does.
     """
     B, H, L, D = q.shape
     kv_heads = k.shape[1]
     group = H // kv_heads
-    scores = (q * scale).reshape(B, kv_heads, group * L, D) @ k.swapaxes(-1, -2)
+    scores = q.reshape(B, kv_heads, group * L, D) @ k.swapaxes(-1, -2)
     if mask is not None:
-        scores = mx.where(mx.tile(mask, (group, 1)), scores, -mx.inf)
+        scores = mx.where(mask, scores, -mx.inf)
     return (softmax(scores) @ v).reshape(B, H, L, D).astype(q.dtype)

@@ -14,8 +14,10 @@ vector its LM head reads.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,7 +25,7 @@ from mlx_lm.models import mimo
 from mlx_lm.models.base import create_attention_mask, create_causal_mask, scaled_dot_product_attention
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
-from engine.backends.decode_ops import RopeTable, apply_rope, cpu_attention
+from engine.backends.decode_ops import RopeTable, apply_rope, cpu_attention, grouped_mask
 
 HEAD_PREFIX = "model.mtp_layers."
 # Steps of at most this many tokens (decode steps, verify windows, drafts) run
@@ -59,24 +61,41 @@ class MTPLayer(mimo.TransformerBlock):
 # The same math as mlx-lm's mimo.TransformerBlock, with the rotary embedding read
 # from a table (engine/backends/decode_ops.py). Everything but the cache update and the
 # attention itself is a pure function of its inputs and the block's weights, so a
-# decode step can run it compiled: on the CPU each op costs ~10-40 us of dispatch
+# decode step can run it compiled: on the CPU each op costs ~5-40 us of dispatch
 # whatever its size, and fusing the norms, biases, rotary and SwiGLU halves a step
-# of the embedded model.
+# of the embedded model. Activations travel between blocks as rows [B*L, D]:
+# a linear layer on rows is one matmul, on [B, L, D] two more reshaping ops.
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every block of one step shares: the rotary cos/sin [L, head_dim] of its
+    positions and the attention mask."""
+
+    length: int
+    cos: mx.array
+    sin: mx.array
+    mask: Any  # cpu_attention's grouped boolean mask, or what mlx-lm's attention takes
 
 
 def attention_inputs(block: nn.Module, x: mx.array, cos: mx.array, sin: mx.array):
+    """Rows x [B*L, D] -> q (already scaled), k, v [B, heads, L, head_dim]."""
     attn = block.self_attn
-    B, L, _ = x.shape
+    length = cos.shape[0]
+    batch = x.shape[0] // length
     h = block.input_layernorm(x)
-    q = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-    k = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    v = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def split(projection: nn.Module, heads: int) -> mx.array:
+        return projection(h).reshape(batch, length, heads, -1).transpose(0, 2, 1, 3)
+
+    q = apply_rope(split(attn.q_proj, attn.n_heads), cos, sin) * attn.scale
+    k = apply_rope(split(attn.k_proj, attn.n_kv_heads), cos, sin)
+    return q, k, split(attn.v_proj, attn.n_kv_heads)
 
 
 def block_output(block: nn.Module, x: mx.array, attended: mx.array) -> mx.array:
-    B, L, _ = x.shape
-    h = x + block.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    """Rows x [B*L, D] and attended [B, heads, L, head_dim] -> the block's rows."""
+    h = x + block.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(x.shape[0], -1))
     return h + block.mlp(block.post_attention_layernorm(h))
 
 
@@ -85,50 +104,61 @@ class MiMoBackend(Backend):
 
     def __init__(self, trunk: mimo.Model, heads: list[MTPLayer]):
         super().__init__(trunk, heads)
+        args = trunk.args
         rope = trunk.model.layers[0].self_attn.rope
-        head_dim = trunk.args.hidden_size // trunk.args.num_attention_heads
+        head_dim = args.hidden_size // args.num_attention_heads
         self.rope = RopeTable(rope, head_dim) if RopeTable.supports(rope) else None
+        self.group = args.num_attention_heads // args.num_key_value_heads
         self._compiled: dict[tuple[str, int], Callable] = {}
 
     def forward(self, tokens, cache, tape: Tape | None = None):
         model = self.trunk.model
-        h = model.embed_tokens(tokens)
-        mask = self._mask(h, cache[0])
-        for layer, c in zip(model.layers, cache):
-            h = self._block(layer, h, mask, c)
+        h = self._run(model.layers, model.embed_tokens(tokens), cache)
         return self._output(model.norm, h)
 
     def head(self, k, hidden, tokens, cache, last=False):
         head = self.heads[k]
         embeds = self.trunk.model.embed_tokens(tokens)
         x = self._step("fuse", head, head.fuse, hidden.shape[1])(hidden, embeds)
-        x = self._block(head, x, self._mask(x, cache), cache)
-        return self._output(head.final_layernorm, x, last)
+        return self._output(head.final_layernorm, self._run([head], x, [cache]), last)
 
-    def _block(self, block: nn.Module, x: mx.array, mask, cache) -> mx.array:
-        if self.rope is None:  # interleaved rotary: mlx-lm's own block
-            return block(x, mask, cache)
+    def _run(self, blocks: list[nn.Module], x: mx.array, caches: list) -> mx.array:
+        """x [B, L, D] through the blocks, each with its own cache."""
+        if self.rope is None:  # interleaved rotary: mlx-lm's own blocks
+            mask = create_attention_mask(x, caches[0])
+            for block, cache in zip(blocks, caches):
+                x = block(x, mask, cache)
+            return x
+        B, L, D = x.shape
+        step = self._step_inputs(x, caches[0])
+        rows = x.reshape(B * L, D)
+        for block, cache in zip(blocks, caches):
+            rows = self._block(block, rows, step, cache)
+        return rows.reshape(B, L, D)
+
+    def _step_inputs(self, x: mx.array, cache) -> StepInputs:
+        """Rotary slices and mask, built once for all the blocks of a step."""
         length = x.shape[1]
-        prepare = self._step("attention_inputs", block, partial(attention_inputs, block), length)
-        q, k, v = prepare(x, *self.rope.slices(cache.offset, length))
+        cos, sin = self.rope.slices(cache.offset, length)
+        if not self._cpu_decode(length):
+            return StepInputs(length, cos, sin, create_attention_mask(x, cache))
+        causal = create_causal_mask(length, cache.offset) if length > 1 else None
+        return StepInputs(length, cos, sin, grouped_mask(causal, self.group))
+
+    def _block(self, block: nn.Module, rows: mx.array, step: StepInputs, cache) -> mx.array:
+        n = rows.shape[0]
+        prepare = self._step("attention_inputs", block, partial(attention_inputs, block), n)
+        q, k, v = prepare(rows, step.cos, step.sin)
         k, v = cache.update_and_fetch(k, v)
-        scale = block.self_attn.scale
-        if self._cpu_decode(length):
-            attended = cpu_attention(q, k, v, scale, mask)  # eager: the cache length changes every step
+        if self._cpu_decode(step.length):
+            attended = cpu_attention(q, k, v, step.mask)  # eager: the cache length changes every step
         else:
-            attended = scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)
-        return self._step("block_output", block, partial(block_output, block), length)(x, attended)
+            attended = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=step.mask)
+        return self._step("block_output", block, partial(block_output, block), n)(rows, attended)
 
     def _cpu_decode(self, length: int) -> bool:
         """A decode-sized step on the CPU: attention by `cpu_attention`."""
         return length <= COMPILED_MAX_TOKENS and mx.default_device() == mx.cpu
-
-    def _mask(self, x: mx.array, cache):
-        """The attention mask of a step, built once for all its layers."""
-        length = x.shape[1]
-        if self.rope is not None and self._cpu_decode(length):
-            return create_causal_mask(length, cache.offset) if length > 1 else None
-        return create_attention_mask(x, cache)
 
     def _output(self, norm: nn.Module, x: mx.array, last: bool = False) -> tuple[mx.array, mx.array]:
         """(logits, normed hidden): the final norm, then the LM head (on the last
