@@ -14,6 +14,7 @@ Import what a subcommand needs inside its run function, so that `mtplxd
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -385,4 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return COMMANDS[args.command].run(args)
+    try:
+        code = COMMANDS[args.command].run(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`mtplxd inspect M | head -1`): stop quietly, and point
+        # stdout at /dev/null so the interpreter's own flush at exit does not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -211,6 +211,18 @@ def test_cli_human_report(tmp_path):
     }
 
 
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`mtplxd inspect M | head -1`: the reader is gone before the report is
+    written; the command stops without a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "mtplxd", "inspect", str(write_layout("qwen3_next", tmp_path, mtp_heads=2))]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    proc.stdout.close()  # long before the interpreter has started
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert err == ""
+
+
 def test_cli_help_and_no_command():
     assert cli("--help").returncode == 0 and "inspect" in cli("--help").stdout
     assert cli().returncode == 2
