@@ -8,13 +8,14 @@ import ctypes
 
 import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from engine.backends import mimo
-from engine.backends.decode_ops import FIRST_SIZE, RopeTable, apply_rope, cpu_attention, grouped_mask
+from engine.backends.decode_ops import FIRST_SIZE, RopeTable, apply_rope, cpu_attention, grouped_mask, swiglu
 from engine.blas import ensure_fast_blas
 from tests.engine_helpers import available_families, load_family
 
@@ -144,6 +145,16 @@ def test_greedy_verification_is_the_exact_rule_on_one_hot_distributions():
         assert np.array_equal(np.array(n_fast), np.array(n_exact))
         assert np.array_equal(np.array(next_fast), np.array(next_exact))
     assert 0 < int(mx.sum(n_fast == depth)) < batch  # both full and partial acceptance occur
+
+
+def test_swiglu_equals_the_library_activation():
+    """decode_ops.swiglu (power in place of exp) against nn.silu, extremes included."""
+    gate = mx.concatenate([mx.random.normal((4000,), key=mx.random.key(1)) * 6,
+                           mx.array([-200.0, -90.0, -30.0, 0.0, 30.0, 90.0, 200.0])])
+    x = mx.random.normal(gate.shape, key=mx.random.key(2))
+    ours, library = swiglu(gate, x), mx.compile(lambda g, u: nn.silu(g) * u)(gate, x)
+    assert not mx.isnan(ours).any()
+    assert close(ours, library) <= 1e-6 * (1 + float(mx.abs(library).max()))
 
 
 @pytest.mark.parametrize("heads,kv_heads,length", [(3, 1, 1), (3, 1, 4), (4, 2, 3), (4, 4, 2)])

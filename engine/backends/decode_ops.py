@@ -1,5 +1,5 @@
-"""Cheaper forms of two decode-step operations: rotary embedding from a table,
-and attention for a few query tokens on the CPU.
+"""Cheaper forms of three decode-step operations: rotary embedding from a table,
+attention for a few query tokens on the CPU, and SwiGLU without `exp`.
 
 Rotary. On the CPU, `mx.fast.rope` is not a kernel but a dozen ops that recompute
 the angles, cosines and sines on every call: ~190 us per tensor for one
@@ -20,6 +20,8 @@ tabulated: `RopeTable.supports` says so and the caller keeps the module.
 from __future__ import annotations
 
 # Being inside the engine package, engine/__init__ (the BLAS fix) has already run.
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -64,6 +66,13 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     half = x.shape[-1] // 2
     rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x, the SwiGLU of MLP blocks, with power(e, -gate) for the exp:
+    inside a compiled CPU kernel `exp` costs ~33 ns an element and `power` ~13, so
+    a 4-token window's activation of a 480-wide MLP takes ~40 us instead of ~80."""
+    return gate / (1 + mx.power(math.e, -gate)) * x
 
 
 def grouped_mask(mask: mx.array | None, group: int) -> mx.array | None:

@@ -25,7 +25,7 @@ from mlx_lm.models import mimo
 from mlx_lm.models.base import create_attention_mask, create_causal_mask, scaled_dot_product_attention
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
-from engine.backends.decode_ops import RopeTable, apply_rope, cpu_attention, grouped_mask
+from engine.backends.decode_ops import RopeTable, apply_rope, cpu_attention, grouped_mask, swiglu
 
 HEAD_PREFIX = "model.mtp_layers."
 # Steps of at most this many tokens (decode steps, verify windows, drafts) run
@@ -96,7 +96,8 @@ def attention_inputs(block: nn.Module, x: mx.array, cos: mx.array, sin: mx.array
 def block_output(block: nn.Module, x: mx.array, attended: mx.array) -> mx.array:
     """Rows x [B*L, D] and attended [B, heads, L, head_dim] -> the block's rows."""
     h = x + block.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(x.shape[0], -1))
-    return h + block.mlp(block.post_attention_layernorm(h))
+    mlp, normed = block.mlp, block.post_attention_layernorm(h)
+    return h + mlp.down_proj(swiglu(mlp.gate_proj(normed), mlp.up_proj(normed)))
 
 
 class MiMoBackend(Backend):
