@@ -25,6 +25,7 @@ import json
 import os
 import platform
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -139,6 +140,21 @@ def machine_id() -> str:
     return f"{platform.system()}-{platform.machine()}-{os.cpu_count()}cpu-{mx.default_device()}"
 
 
+@lru_cache(maxsize=1)
+def engine_id() -> str:
+    """The decode code that produced a measurement: the engine's sources (the BLAS
+    shim's included) and the MLX version. A new release measures again rather than
+    keep a choice made for slower or faster code."""
+    import mlx.core as mx
+
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256(mx.__version__.encode())
+    for path in sorted([*root.rglob("*.py"), *root.glob("native/*.c")]):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def model_id(folder: Path) -> str:
     """config.json and a cheap digest of every weight file (engine/session_mlx.py)."""
     from engine.session_mlx import hash_checkpoint_files
@@ -149,14 +165,14 @@ def model_id(folder: Path) -> str:
 
 
 class CalibrationStore:
-    """`<state_dir>/calibration.json`: one Calibration per (model, machine)."""
+    """`<state_dir>/calibration.json`: one Calibration per (model, machine, engine)."""
 
     def __init__(self, state_dir: Path):
         self.path = Path(state_dir) / CALIBRATION_FILE
 
     @staticmethod
     def key(model_folder: Path) -> str:
-        return f"{model_id(Path(model_folder))}@{machine_id()}"
+        return f"{model_id(Path(model_folder))}@{machine_id()}@{engine_id()}"
 
     def get(self, model_folder: Path) -> Calibration | None:
         entry = self._read().get(self.key(model_folder))
@@ -166,8 +182,13 @@ class CalibrationStore:
             return None  # a hand-edited or older file: measure again
 
     def put(self, model_folder: Path, calibration: Calibration) -> None:
-        data = self._read()
-        data[self.key(model_folder)] = calibration.to_json()
+        key = self.key(model_folder)
+        model_and_machine = key.rsplit("@", 1)[0]
+        # Measurements of this model and machine by other engine code are dropped
+        # (keys without an engine part are from before it was recorded).
+        data = {k: v for k, v in self._read().items()
+                if model_and_machine not in (k, k.rsplit("@", 1)[0])}
+        data[key] = calibration.to_json()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")

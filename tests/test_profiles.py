@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
+from engine import profiles
 from engine.engine import Engine
 from engine.profiles import (
     PROFILES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
@@ -91,6 +93,38 @@ def test_store_is_per_model_private_and_survives_bad_files(tmp_path, mimo_folder
     assert store.get(other) is None
     store.path.write_text("{not json")
     assert store.get(mimo_folder) is None  # a broken file means "measure again", not a crash
+
+
+def test_a_measurement_of_other_engine_code_is_measured_again(tmp_path, mimo_folder, monkeypatch):
+    store = CalibrationStore(tmp_path / "state")
+    store.put(mimo_folder, Calibration({"t0": {1: 1.25}}, measured_at=1.0, detail="old engine"))
+    other_model = write("mimo", tmp_path / "other", mtp_heads=2, seed=5)
+    store.put(other_model, Calibration({"t0": {1: 0.9}}, measured_at=1.0, detail="other model"))
+    monkeypatch.setattr(profiles, "engine_id", lambda: "a-later-engine")
+    assert store.get(mimo_folder) is None
+    new = Calibration({"t0": {1: 1.5}}, measured_at=2.0, detail="new engine")
+    store.put(mimo_folder, new)
+    assert store.get(mimo_folder) == new
+    kept = json.loads(store.path.read_text())
+    assert len(kept) == 2  # the old engine's entry for this model is gone, the other model's stays
+    assert store.get(other_model) is None  # measured by the old engine too
+
+
+def test_engine_id_follows_the_engine_sources(tmp_path, monkeypatch):
+    """The same sources give the same id wherever they lie; one changed line, another."""
+    real = profiles.engine_id()
+    source = Path(profiles.__file__).parent
+    copy = tmp_path / "engine"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    monkeypatch.setattr(profiles, "__file__", str(copy / "profiles.py"))
+    profiles.engine_id.cache_clear()
+    assert profiles.engine_id() == real
+    shim = copy / "native" / "cblas_shim.c"
+    shim.write_text(shim.read_text() + "\n/* a change */\n")
+    profiles.engine_id.cache_clear()
+    assert profiles.engine_id() != real
+    monkeypatch.undo()
+    profiles.engine_id.cache_clear()
 
 
 # -- measured by the real bench ----------------------------------------------------------
