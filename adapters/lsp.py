@@ -244,10 +244,12 @@ class CompletionServer(LanguageServer):
         builder = prompt_builder(engine)
         options = fit_options(options, engine.context_length)
         workspace = self.workspace_for(key)
-        ids = builder.build(snap, options, self._display_path(key, workspace), self._context(key, workspace),
-                            os.path.basename(workspace or ""))
+        ids, heal = builder.build(snap, options, self._display_path(key, workspace), self._context(key, workspace),
+                                  os.path.basename(workspace or ""))
         request = TextRequest(
             prompt_ids=tuple(ids),
+            heal=heal,
+            continuation=True,
             max_tokens=options.max_tokens,
             sampler=SamplerSettings(temperature=options.temperature),
             stop=stop_strings(snap.cursor),

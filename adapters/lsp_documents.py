@@ -23,7 +23,7 @@ from typing import Any, Iterable
 from urllib.parse import unquote, urlparse
 
 from adapters.lsp_postprocess import Cursor, detect_indent_unit
-from engine.prompts import fim_tokens, leading_special
+from engine.prompts import Heal, fim_tokens, heal_last_token, leading_special
 
 PREFIX_SHARE = 0.7
 START_LINE_STEP = 16  # a cut prefix starts on a multiple of up to this many lines (a quarter of what fits)
@@ -229,8 +229,9 @@ class PromptBuilder:
             n = self._line_counts[line] = len(self.encode(line))
         return n
 
-    def build(self, snap: Snapshot, options: Options, path: str = "",
-              context: Iterable[ContextDocument] = (), workspace_name: str = "") -> list[int]:
+    def build(self, snap: Snapshot, options: Options, path: str = "", context: Iterable[ContextDocument] = (),
+              workspace_name: str = "") -> tuple[list[int], Heal | None]:
+        """The prompt's ids, its prefix's last token healed (engine/prompts.py)."""
         budget = options.context_tokens
         suffix = self.suffix_text(snap, budget - int(budget * PREFIX_SHARE))
         prefix = self.prefix_text(snap, budget - self.count_text(suffix))
@@ -239,10 +240,11 @@ class PromptBuilder:
         if context and options.workspace_context_tokens > 0:
             head = self.context_ids(context, path, snap.language_id, options.workspace_context_tokens,
                                     workspace_name)
-        fill = [self.fim.prefix, *self.encode(prefix), self.fim.suffix, *self.encode(suffix), self.fim.middle]
+        prefix_ids, heal = heal_last_token(self.tokenizer, self.encode(prefix))
+        fill = [self.fim.prefix, *prefix_ids, self.fim.suffix, *self.encode(suffix), self.fim.middle]
         if self.file_sep is not None:  # repository layout: files, then the FIM part of this one
-            return [*self.bos, *head, *fill]
-        return [*self.bos, self.fim.prefix, *head, *fill[1:]]
+            return [*self.bos, *head, *fill], heal
+        return [*self.bos, self.fim.prefix, *head, *fill[1:]], heal
 
     def count_text(self, text: str) -> int:
         return sum(self.count(line) for line in text.splitlines(True))

@@ -9,6 +9,7 @@ adapters/mcp_paths.py, argument types and outputs from adapters/mcp_schema.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -26,7 +27,7 @@ from adapters.mcp_schema import (
     WarmSkip, Workspace,
 )
 from adapters.openai_schema import ModelInfo
-from engine.prompts import chat_prompt_ids, completion_prompt_ids, fim_prompt_ids, has_chat_template
+from engine.prompts import Heal, chat_prompt_ids, completion_prompt_ids, has_chat_template, healed_fim_prompt_ids
 from engine.sampling import SamplerSettings
 from mtplxd.jobs import Priority, TextRequest, WarmRequest
 from mtplxd.workspaces import warmup_prompt_ids
@@ -115,8 +116,9 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         ws = resolve_workspace(workspace, required=True)
         before, after, shown = await _cursor_context(ws, path, line, character, prefix, suffix)
         info = await adapter.ready(ctx, deadline)
-        ids = _fim_ids(info, before, after, max_tokens)
-        request = _request(info, ids, max_tokens, SamplerSettings(temperature=0.0), ws)
+        ids, heal = _fim_ids(info, before, after, max_tokens)
+        request = replace(_request(info, ids, max_tokens, SamplerSettings(temperature=0.0), ws, continuation=True),
+                          heal=heal)
         return FimCompletion(**await adapter.run_text(ctx, request, info, deadline), path=shown,
                              line=line if shown else None, character=character if shown else None,
                              language=language_of(shown, language))
@@ -173,14 +175,18 @@ def _generate_ids(info: ModelInfo, prompt: str, system: str | None) -> list[int]
     return _ids(completion_prompt_ids, info.tokenizer, f"{system}\n\n{prompt}" if system else prompt)
 
 
-def _fim_ids(info: ModelInfo, before: str, after: str, max_tokens: int | None) -> list[int]:
-    """The FIM prompt, the context around the cursor trimmed to fit the model."""
+def _fim_ids(info: ModelInfo, before: str, after: str, max_tokens: int | None) -> tuple[list[int], Heal | None]:
+    """The FIM prompt, the context around the cursor trimmed to fit the model, its
+    prefix's last token healed (engine/prompts.py)."""
     before, after = before[-FIM_PREFIX_CHARS:], after[:FIM_SUFFIX_CHARS]
     room = info.context_length - (max_tokens or min(DEFAULT_MAX_TOKENS, info.context_length // 4))
     while True:
-        ids = _ids(fim_prompt_ids, info.tokenizer, before, after)
+        try:
+            ids, heal = healed_fim_prompt_ids(info.tokenizer, before, after)
+        except ValueError as e:  # a model without FIM tokens
+            raise ToolError(str(e)) from None
         if len(ids) <= room or (not before and not after):
-            return ids
+            return ids, heal
         before, after = before[len(before) // 2:], after[: len(after) // 2]
 
 
@@ -207,9 +213,9 @@ def _sampler(info: ModelInfo, temperature: float | None) -> SamplerSettings:
 
 
 def _request(info: ModelInfo, ids: list[int], max_tokens: int | None, sampler: SamplerSettings,
-             workspace: str | None, stop: Sequence[str] = ()) -> TextRequest:
+             workspace: str | None, stop: Sequence[str] = (), continuation: bool = False) -> TextRequest:
     return TextRequest(prompt_ids=tuple(ids), max_tokens=_budget(info, len(ids), max_tokens), sampler=sampler,
-                       stop=tuple(stop), priority=Priority.NORMAL, workspace=workspace)
+                       stop=tuple(stop), priority=Priority.NORMAL, workspace=workspace, continuation=continuation)
 
 
 # -- files -------------------------------------------------------------------------------

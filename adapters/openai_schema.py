@@ -178,7 +178,7 @@ def parse_completion(body: dict, model: ModelInfo, priority: Priority) -> TextPa
                                         or response_format.get("type") != "text"):
         raise bad("/v1/completions supports only response_format {'type': 'text'}", "response_format")
     prompt = _completion_prompt(body, model)
-    return text_params(body, model, prompt, "prompt", priority)
+    return text_params(body, model, prompt, "prompt", priority, continuation=True)
 
 
 def _completion_prompt(body: dict, model: ModelInfo) -> list[int]:
@@ -210,7 +210,7 @@ def _token_ids(value: Any, model: ModelInfo, param: str) -> list[int]:
 
 
 def text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: str,
-                priority: Priority) -> TextParams:
+                priority: Priority, continuation: bool = False) -> TextParams:
     _refuse_unsupported(body)
     if get_int(body, "n", 1) != 1:
         raise bad("only n=1 is supported", "n")
@@ -230,6 +230,7 @@ def text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: s
         priority=priority,
         # Extension, as in other local servers: fixed-length outputs for benchmarks.
         ignore_eos=get_bool(body, "ignore_eos"),
+        continuation=continuation,
     )
     get_str(body, "user")
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):

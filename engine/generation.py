@@ -61,6 +61,7 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     prefill_chunk: int = 512
     compiled: bool = False  # mx.compile the sampling filters (turbo profile); verification always is
+    first_tokens: frozenset[int] | None = None  # what the first token may be (token healing); None: any
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -71,6 +72,8 @@ class GenerationRequest:
             raise ValueError("depth must be at least 1")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if self.first_tokens is not None and not self.first_tokens:
+            raise ValueError("first_tokens, when given, must allow at least one token")
 
 
 @dataclass
@@ -417,7 +420,12 @@ class Generation:
         return all(check.item() for check in checks)
 
     def _draw_token(self, logits: mx.array) -> int:
-        """One token from logits [1, V], on the host."""
+        """One token from logits [1, V], on the host; the first one among
+        `request.first_tokens` when given."""
+        if not self._sampled and self.request.first_tokens is not None:
+            allowed = mx.zeros((logits.shape[-1],), dtype=mx.bool_)
+            allowed[mx.array(sorted(self.request.first_tokens))] = True
+            logits = mx.where(allowed, logits, -mx.inf)
         key = self._next_key()
         token, _ = self._draw(logits, key, exact=False)
         if not self._covered(token):

@@ -8,6 +8,7 @@ ValueError with a message fit to show that client.
 
 from __future__ import annotations
 
+import bisect
 import json
 import weakref
 from dataclasses import dataclass
@@ -215,15 +216,17 @@ def fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str) -> list[int]:
     The pieces are encoded separately and joined as ids, so text that merely
     looks like a FIM token cannot move the boundaries.
     """
+    return healed_fim_prompt_ids(tokenizer, prefix, suffix, heal=False)[0]
+
+
+def healed_fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str, heal: bool = True) -> tuple[list[int], Heal | None]:
+    """`fim_prompt_ids` with the prefix's last token healed (see heal_last_token)."""
     fim = fim_tokens(tokenizer)
-    return [
-        *leading_special(tokenizer),
-        fim.prefix,
-        *_encode_plain(tokenizer, prefix),
-        fim.suffix,
-        *_encode_plain(tokenizer, suffix),
-        fim.middle,
-    ]
+    prefix_ids, healed = _encode_plain(tokenizer, prefix), None
+    if heal:
+        prefix_ids, healed = heal_last_token(tokenizer, prefix_ids)
+    ids = [*leading_special(tokenizer), fim.prefix, *prefix_ids, fim.suffix, *_encode_plain(tokenizer, suffix), fim.middle]
+    return ids, healed
 
 
 def _encode_plain(tokenizer: Any, text: str) -> list[int]:
@@ -237,3 +240,56 @@ def leading_special(tokenizer: Any) -> list[int]:
         return []
     ids = list(tokenizer.encode("a"))
     return [bos] if ids and ids[0] == bos else []
+
+
+# -- token healing -------------------------------------------------------------------
+# A prompt cut at the cursor often ends inside what the tokenizer would spell as one
+# token: after "def " the lone " " is a token byte-level BPE never puts before a name
+# (it spells " name"), so the model, seeing it, goes astray. Healing drops the
+# prompt's last token and lets the first generated token be any that begins with its
+# text: " name" (or " " itself) after "def ", "print" after "pri". The text the
+# dropped token stood for is then not repeated to the client (mtplxd/jobs.py).
+
+
+@dataclass(frozen=True)
+class Heal:
+    text: str  # what the dropped last token spelled: the output starts with it
+    first_tokens: frozenset[int]  # the tokens the first generated one may be
+
+
+def heal_last_token(tokenizer: Any, ids: list[int]) -> tuple[list[int], Heal | None]:
+    """`ids` without their last token, and what the first generated token must then
+    begin with; `ids` unchanged and None where there is nothing to heal (no ids, or a
+    last token whose text no token begins with, as a special token's or a piece of a
+    UTF-8 character's)."""
+    if not ids:
+        return ids, None
+    text = tokenizer.decode([ids[-1]])
+    allowed = tokens_starting_with(tokenizer, text) if text else frozenset()
+    if ids[-1] not in allowed:
+        return ids, None
+    return ids[:-1], Heal(text, allowed)
+
+
+_token_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def tokens_starting_with(tokenizer: Any, text: str) -> frozenset[int]:
+    """Every ordinary token whose text begins with `text` (a prefix range of the
+    vocabulary sorted by text, built once per tokenizer)."""
+    try:
+        index = _token_index.get(tokenizer)
+    except TypeError:
+        index = None
+    if index is None:
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        ids = [i for i in range(len(tokenizer.vocab)) if i not in special]
+        texts = tokenizer.batch_decode([[i] for i in ids])
+        index = sorted(zip(texts, ids))
+        try:
+            _token_index[tokenizer] = index
+        except TypeError:
+            pass
+    start = bisect.bisect_left(index, (text,))
+    end = bisect.bisect_left(index, (text + "\U0010ffff",))
+    return frozenset(token for _, token in index[start:end])

@@ -25,6 +25,7 @@ from typing import Literal
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
 from engine.profiles import DecodePlan
+from engine.prompts import Heal
 from engine.sampling import SamplerSettings
 from engine.session_bank import SessionBank
 from engine.session_state import SnapshotMismatch
@@ -51,6 +52,8 @@ class TextRequest:
     ignore_eos: bool = False  # benchmarks: fixed-length outputs
     workspace: str | None = None  # absolute folder: the session-bank namespace (None: default)
     profile: str | None = None  # engine/profiles.py; None: the daemon's
+    heal: Heal | None = None  # the prompt's last token was dropped (engine/prompts.py): the text leaves out heal.text
+    continuation: bool = False  # the output continues the prompt's text (completions, FIM), not a new turn
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,7 @@ class TextJob:
                 prefill_chunk=plan.prefill_chunk,
                 compiled=plan.compiled,
                 stop_token_ids=frozenset() if request.ignore_eos else frozenset(engine.tokenizer.eos_token_ids),
+                first_tokens=request.heal.first_tokens if request.heal else None,
             ),
             self.bank,
             request.workspace,
@@ -267,9 +271,17 @@ class TextJob:
         self._prompt_snapshot_due = self.bank is not None
         self._broken = False  # a step raised: the caches may be half-updated
         self.detokenizer = engine.tokenizer.detokenizer
+        if request.continuation or request.heal:
+            # The output continues the prompt's text: keep its leading space, which a
+            # detokenizer drops at the start of a text, by giving it a word to start
+            # with ("x =" then " 0" must read "x = 0"; a healed heal.text is left out below).
+            for token in engine.tokenizer.encode("a", add_special_tokens=False):
+                self.detokenizer.add_token(token)
+            _ = self.detokenizer.last_segment
         # Control tokens (chat and FIM markers) are never part of the text.
         self.hidden_ids = special_token_ids(engine.tokenizer)
         self.stops = StopMatcher(request.stop)
+        self.unhealed = request.heal.text if request.heal else ""  # still to leave out of the text
         self.mtp = MTPStats(depth=depth if mode == "mtp" else 0)
         self.first_token_at: float | None = None
         self.finished = False
@@ -292,7 +304,7 @@ class TextJob:
         finish = result.finish_reason
         if finish:
             self.detokenizer.finalize()
-        text, hit_stop = self.stops.feed(self.detokenizer.last_segment)
+        text, hit_stop = self.stops.feed(self._healed(self.detokenizer.last_segment))
         if finish and not hit_stop:
             text += self.stops.flush()
         events: list[Event] = []
@@ -301,6 +313,13 @@ class TextJob:
         if hit_stop or finish:
             events.append(self._done("stop" if hit_stop else finish))
         return events
+
+    def _healed(self, text: str) -> str:
+        """The text without what the prompt's healed last token spelled (the first
+        token begins with it, though the detokenizer may hand it out in pieces)."""
+        n = min(len(self.unhealed), len(text))
+        self.unhealed = self.unhealed[n:]
+        return text[n:]
 
     def _done(self, reason: str) -> Done:
         self.finished = True

@@ -197,3 +197,22 @@ def test_steps_whose_top_p_shortcut_missed_are_redone_exactly(tmp_path, family, 
     assert tokens(vocab // 8) == never  # some do
     assert 0 < len(exact_filters) < always
     assert tokens(1, compiled=True) == never
+
+
+@pytest.mark.parametrize("mode", ["ar", "mtp"])
+def test_the_first_token_is_drawn_among_first_tokens(tmp_path, mode):
+    """Token healing's constraint: the first token (only) comes from the allowed set,
+    sampled from the model's distribution renormalised over it."""
+    engine_ = load_family(tmp_path, "mimo", mtp_heads=1)
+    allowed = frozenset({20, 21})
+    firsts = set()
+    for seed in range(12):
+        tokens, _, _ = run(engine_, PROMPT, mode=mode, depth=2, sampler=SamplerSettings(temperature=1.5),
+                           max_tokens=6, seed=seed, first_tokens=allowed)
+        firsts.add(tokens[0])
+    assert firsts == allowed  # both drawn, nothing else
+    free = {run(engine_, PROMPT, mode=mode, sampler=SamplerSettings(temperature=1.5), max_tokens=1, seed=s)[0][0]
+            for s in range(12)}
+    assert not free <= allowed  # unconstrained, other tokens come first
+    with pytest.raises(ValueError):
+        GenerationRequest(prompt=(1,), first_tokens=frozenset())

@@ -15,8 +15,11 @@ from engine.prompts import (
     completion_prompt_ids,
     fim_prompt_ids,
     fim_tokens,
+    heal_last_token,
+    healed_fim_prompt_ids,
     message_text,
     normalize_messages,
+    tokens_starting_with,
 )
 from tests.checkpoints.common import write_tokenizer
 
@@ -138,3 +141,46 @@ def test_code_llama_style_fim_with_bos():
 
 def test_completion_prompt_is_plain_text(tokenizer):
     assert tokenizer.decode(completion_prompt_ids(tokenizer, "x = 1")) == "x = 1"
+
+
+# -- token healing ------------------------------------------------------------------
+
+EMBEDDED = Path(engine.__file__).parent / "assets"
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    """The embedded model's byte-level BPE, where healing matters."""
+    return load_tokenizer(EMBEDDED)
+
+
+def test_healing_drops_the_last_token_and_allows_every_token_that_extends_it(bpe_tokenizer):
+    tok = bpe_tokenizer
+    special = set(tok.all_special_ids)
+    texts = {i: tok.decode([i]) for i in range(len(tok.vocab)) if i not in special}
+    for prompt, dropped in (("x = 1\ndef ", " "), ("    pri", " pri"), ("if x:\n", None)):
+        ids = list(tok.encode(prompt, add_special_tokens=False))
+        rest, heal = heal_last_token(tok, ids)
+        assert rest == ids[:-1] and tok.decode(rest) + heal.text == prompt
+        if dropped is not None:
+            assert heal.text == dropped
+        assert heal.first_tokens == {i for i, t in texts.items() if t.startswith(heal.text)}
+    assert {texts[i] for i in tokens_starting_with(tok, "pri")} == {"pri", "print"}
+
+
+def test_nothing_to_heal(bpe_tokenizer):
+    tok = bpe_tokenizer
+    assert heal_last_token(tok, []) == ([], None)
+    fim = fim_tokens(tok)
+    assert heal_last_token(tok, [5, fim.middle]) == ([5, fim.middle], None)  # a special token stays
+
+
+def test_fim_prompt_with_its_prefix_healed(bpe_tokenizer):
+    tok = bpe_tokenizer
+    plain = fim_prompt_ids(tok, "class A:\n    def ", "\n")
+    healed, heal = healed_fim_prompt_ids(tok, "class A:\n    def ", "\n")
+    fim = fim_tokens(tok)
+    cut = plain.index(fim.suffix)
+    assert healed == plain[: cut - 1] + plain[cut:] and heal.text == " "
+    assert tok.decode(healed[healed.index(fim.prefix) + 1 : healed.index(fim.suffix)]) + heal.text == "class A:\n    def "
+    assert healed_fim_prompt_ids(tok, "", "x")[1] is None  # no prefix: nothing to heal

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import anyio
 import pytest
 
@@ -166,3 +169,52 @@ async def test_ignore_eos_gives_fixed_length_outputs(engine_):
         scheduler.stop()
     assert normal[-1].usage.completion_tokens < 400  # the random model does emit end-of-text
     assert fixed[-1].usage.completion_tokens == 400 and fixed[-1].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded model: its byte-level BPE is where healing and leading spaces matter."""
+    import engine as engine_package
+
+    return Engine.load(Path(engine_package.__file__).parent / "assets")
+
+
+async def run_alone(engine_: Engine, request: TextRequest) -> tuple[str, list[int]]:
+    scheduler = Scheduler(lambda: engine_)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        events = await collect(scheduler.submit(request), [], "alone")
+        scheduler.stop()
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids]
+
+
+@pytest.mark.parametrize("mode,depth", [("ar", None), ("mtp", 2)])
+async def test_a_healed_prompt_completes_the_word_and_leaves_out_its_start(embedded, mode, depth):
+    """After "def " the embedded model's byte-level BPE ends the prompt with a lone
+    " ", a token it never saw before a name. Healed, the first token must begin with
+    " " and the text the client gets leaves that " " out: a name, not noise."""
+    from engine.prompts import heal_last_token
+
+    tok = embedded.tokenizer
+    prompt = "import os\n\n\nclass Cache:\n    def __init__(self):\n        self.items = {}\n\n    def "
+    ids, heal = heal_last_token(tok, list(tok.encode(prompt)))
+    assert heal.text == " "
+    text, tokens = await run_alone(embedded, TextRequest(
+        prompt_ids=tuple(ids), max_tokens=12, heal=heal, mode=mode, depth=depth,
+        sampler=SamplerSettings(temperature=0.0), seed=1))
+    assert tokens[0] in heal.first_tokens
+    assert text == tok.decode(tokens)[len(heal.text):]
+    assert text[:1].isidentifier()  # a method name, right after "def "
+
+
+async def test_a_continuation_keeps_its_leading_space(embedded):
+    """"return x +" continues with " 0"-like text: a completion must not lose the
+    space a detokenizer drops at the start of a text (a chat reply may)."""
+    tok = embedded.tokenizer
+    ids = tuple(tok.encode("def f(x):\n    return x +"))
+    request = TextRequest(prompt_ids=ids, max_tokens=4, mode="ar", sampler=SamplerSettings(temperature=0.0), seed=1)
+    text, tokens = await run_alone(embedded, replace(request, continuation=True))
+    assert tok.decode(tokens).startswith(" ") and text == tok.decode(tokens)
+    reply, _ = await run_alone(embedded, request)
+    assert reply == text[1:]  # a new turn: the detokenizer's trim stays

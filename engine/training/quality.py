@@ -3,10 +3,12 @@
 For `def`/`for`/`if` lines of the held-out standard-library modules, the
 model sees the file up to and including the keyword (not the space after it)
 and completes the line greedily; the line counts as plausible when it parses
-as Python with a `pass` body. Also measures per-depth acceptance at
+as Python with a `pass` body. `--after-space` cuts after the space instead, as
+an editor's cursor after "def " does, and heals the prompt's last token as the
+LSP adapter does (engine/prompts.py). Also measures per-depth acceptance at
 temperature 0.
 
-    python -m engine.training.quality [CHECKPOINT] [--lines N]
+    python -m engine.training.quality [CHECKPOINT] [--lines N] [--after-space]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import engine  # noqa: F401  (BLAS before mlx)
 from engine.engine import Engine
 from engine.generation import GenerationRequest
+from engine.prompts import heal_last_token
 from engine.sampling import SamplerSettings
 from engine.training.corpus import held_out_files
 from engine.training.measure import measure_acceptance
@@ -37,7 +40,7 @@ class Sample:
     parses: bool
 
 
-def cut_points(limit: int) -> list[tuple[str, str, str]]:
+def cut_points(limit: int, after_space: bool = False) -> list[tuple[str, str, str]]:
     """(path, text before the cursor, keyword) for keyword lines spread over the held-out modules."""
     docs = held_out_files()
     per_doc = max(1, limit // max(1, len(docs)) + 1)
@@ -48,22 +51,25 @@ def cut_points(limit: int) -> list[tuple[str, str, str]]:
         for m in matches[::step][:per_doc]:
             # Right after the keyword, before its space: byte-level BPE spells " name" as one
             # token, so a prompt ending in a lone space is one the model never saw in training.
-            cursor = m.end() - 1
+            cursor = m.end() if after_space else m.end() - 1
             points.append((doc.path, doc.text[max(0, cursor - CONTEXT_CHARS) : cursor], m.group("kw")))
     return points[:limit]
 
 
-def complete_line(engine_: Engine, before: str, max_tokens: int = 48) -> str:
-    ids = tuple(engine_.tokenizer.encode(before))
-    gen = engine_.open(GenerationRequest(prompt=ids, sampler=SamplerSettings(temperature=0.0), mode="ar",
-                                         max_tokens=max_tokens, stop_token_ids=frozenset(engine_.tokenizer.eos_token_ids)))
+def complete_line(engine_: Engine, before: str, max_tokens: int = 48, heal: bool = False) -> str:
+    ids, healed = list(engine_.tokenizer.encode(before)), None
+    if heal:
+        ids, healed = heal_last_token(engine_.tokenizer, ids)
+    gen = engine_.open(GenerationRequest(prompt=tuple(ids), sampler=SamplerSettings(temperature=0.0), mode="ar",
+                                         max_tokens=max_tokens, stop_token_ids=frozenset(engine_.tokenizer.eos_token_ids),
+                                         first_tokens=healed.first_tokens if healed else None))
     out = []
     while not gen.finished:
         out += gen.step().tokens
         if "\n" in engine_.tokenizer.decode(out):
             break
     gen.close()
-    return engine_.tokenizer.decode(out).split("\n")[0]
+    return engine_.tokenizer.decode(out)[len(healed.text) if healed else 0:].split("\n")[0]
 
 
 def parses(keyword: str, rest: str) -> bool:
@@ -74,10 +80,10 @@ def parses(keyword: str, rest: str) -> bool:
         return False
 
 
-def parse_rate(engine_: Engine, lines: int) -> tuple[float, list[Sample]]:
+def parse_rate(engine_: Engine, lines: int, after_space: bool = False) -> tuple[float, list[Sample]]:
     samples = []
-    for path, before, keyword in cut_points(lines):
-        rest = complete_line(engine_, before)
+    for path, before, keyword in cut_points(lines, after_space):
+        rest = complete_line(engine_, before, heal=after_space)
         samples.append(Sample(path, keyword, rest, parses(keyword, rest)))
     return sum(s.parses for s in samples) / max(1, len(samples)), samples
 
@@ -87,13 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", nargs="?", default=str(Path(engine.__file__).parent / "assets"))
     parser.add_argument("--lines", type=int, default=60)
     parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--after-space", action="store_true",
+                        help="cut after the keyword's space and heal the prompt (as the LSP adapter does)")
     args = parser.parse_args(argv)
     engine_ = Engine.load(args.checkpoint)
-    rate, samples = parse_rate(engine_, args.lines)
+    rate, samples = parse_rate(engine_, args.lines, args.after_space)
     prompts = [before for _, before, _ in cut_points(8)]
     acceptance = measure_acceptance(engine_, prompts, depth=args.depth, n_tokens=64)
     for s in samples[:10]:
-        print(f"{'ok ' if s.parses else 'bad'} {s.path}: {s.keyword}{s.completion}")
+        print(f"{'ok ' if s.parses else 'bad'} {s.path}: {s.keyword} {s.completion.strip()}")
     print(json.dumps({"parse_rate": round(rate, 3), "lines": len(samples),
                       "acceptance_by_depth_t0": [round(a, 3) for a in acceptance]}))
     return 0
