@@ -265,6 +265,8 @@ def heal_last_token(tokenizer: Any, ids: list[int]) -> tuple[list[int], Heal | N
     if not ids:
         return ids, None
     text = tokenizer.decode([ids[-1]])
+    if "\ufffd" in text:  # a piece of a UTF-8 character: its text says nothing of its bytes
+        return ids, None
     allowed = tokens_starting_with(tokenizer, text) if text else frozenset()
     if ids[-1] not in allowed:
         return ids, None

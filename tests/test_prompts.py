@@ -171,6 +171,9 @@ def test_healing_drops_the_last_token_and_allows_every_token_that_extends_it(bpe
 def test_nothing_to_heal(bpe_tokenizer):
     tok = bpe_tokenizer
     assert heal_last_token(tok, []) == ([], None)
+    accented = list(tok.encode('name = "é', add_special_tokens=False))  # é: two byte tokens here
+    assert tok.decode(accented[-1:]) == "\ufffd"
+    assert heal_last_token(tok, accented) == (accented, None)  # a piece of a character stays
     fim = fim_tokens(tok)
     assert heal_last_token(tok, [5, fim.middle]) == ([5, fim.middle], None)  # a special token stays
 
