@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.profiles import PROFILE_NAMES
-from engine.prompts import completion_prompt_ids, fim_prompt_ids
+from engine.prompts import Heal, completion_prompt_ids, healed_fim_prompt_ids
 from engine.sampling import SamplerSettings
 from mtplxd.jobs import EmbedRequest, Priority, TextRequest
 
@@ -177,11 +177,13 @@ def parse_completion(body: dict, model: ModelInfo, priority: Priority) -> TextPa
     if response_format is not None and (not isinstance(response_format, dict)
                                         or response_format.get("type") != "text"):
         raise bad("/v1/completions supports only response_format {'type': 'text'}", "response_format")
-    prompt = _completion_prompt(body, model)
-    return text_params(body, model, prompt, "prompt", priority, continuation=True)
+    prompt, heal = _completion_prompt(body, model)
+    return text_params(body, model, prompt, "prompt", priority, continuation=True, heal=heal)
 
 
-def _completion_prompt(body: dict, model: ModelInfo) -> list[int]:
+def _completion_prompt(body: dict, model: ModelInfo) -> tuple[list[int], Heal | None]:
+    """The prompt's ids; with a `suffix` (fill-in-the-middle, as editors ask at a cursor)
+    the prefix's last token is healed (engine/prompts.py)."""
     prompt, suffix = body.get("prompt"), get_str(body, "suffix")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
@@ -190,13 +192,13 @@ def _completion_prompt(body: dict, model: ModelInfo) -> list[int]:
     if isinstance(prompt, list):  # token ids
         if suffix is not None:
             raise bad("`suffix` needs a string prompt", "suffix")
-        return _token_ids(prompt, model, "prompt")
+        return _token_ids(prompt, model, "prompt"), None
     if not isinstance(prompt, str):
         raise bad("`prompt` must be a string, a list of one string, or a list of token ids", "prompt")
     if suffix is None:
-        return completion_prompt_ids(model.tokenizer, prompt)
+        return completion_prompt_ids(model.tokenizer, prompt), None
     try:
-        return fim_prompt_ids(model.tokenizer, prompt, suffix)
+        return healed_fim_prompt_ids(model.tokenizer, prompt, suffix)
     except ValueError as e:
         raise bad(str(e), "suffix") from None
 
@@ -210,7 +212,7 @@ def _token_ids(value: Any, model: ModelInfo, param: str) -> list[int]:
 
 
 def text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: str,
-                priority: Priority, continuation: bool = False) -> TextParams:
+                priority: Priority, continuation: bool = False, heal: Heal | None = None) -> TextParams:
     _refuse_unsupported(body)
     if get_int(body, "n", 1) != 1:
         raise bad("only n=1 is supported", "n")
@@ -231,6 +233,7 @@ def text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: s
         # Extension, as in other local servers: fixed-length outputs for benchmarks.
         ignore_eos=get_bool(body, "ignore_eos"),
         continuation=continuation,
+        heal=heal,
     )
     get_str(body, "user")
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):

@@ -33,6 +33,10 @@ def test_daemon_serves_the_embedded_model_without_flags(tmp_path):
         assert ar.usage.completion_tokens > 0
         assert mtp.choices[0].text == ar.choices[0].text
         assert mtp.model_extra["mtp"]["drafted"] > 0
+        # A completion keeps the leading space that continues its prompt.
+        plus = client.completions.create(model="default", prompt="def f(x):\n    return x +", max_tokens=4,
+                                         temperature=0, extra_body={"generation_mode": "ar"})
+        assert plus.choices[0].text.startswith(" "), plus.choices[0].text
 
 
 def test_quality_prompts_end_at_the_keyword():

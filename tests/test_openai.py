@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import engine  # noqa: F401  (BLAS before mlx)
 from engine.engine import load_tokenizer
-from engine.prompts import chat_prompt_ids, fim_prompt_ids
+from engine.prompts import chat_prompt_ids, fim_prompt_ids, healed_fim_prompt_ids
 from tests.checkpoints import write
 from tests.daemon_fixture import running_daemon
 
@@ -123,9 +123,13 @@ def test_completions_stream_and_not(client):
 def test_fim_with_suffix(client, tokenizer):
     fim = client.completions.create(model="mimo", prompt="def f(", suffix="):\n    return x\n",
                                     max_tokens=8, **GREEDY)
-    ids = fim_prompt_ids(tokenizer, "def f(", "):\n    return x\n")
-    assert fim.usage.prompt_tokens == len(ids)
-    same = client.completions.create(model="mimo", prompt=ids, max_tokens=8, **GREEDY)  # token-id prompt
+    healed, heal = healed_fim_prompt_ids(tokenizer, "def f(", "):\n    return x\n")
+    assert fim.usage.prompt_tokens == len(healed) and heal.text == "("  # the prefix's last token healed
+    assert healed == fim_prompt_ids(tokenizer, "def f", "):\n    return x\n")
+    # One-character tokens: the healed "(" can only come back as itself, first in the middle;
+    # the text leaves it out, and the rest is what follows it there.
+    (paren,) = heal.first_tokens
+    same = client.completions.create(model="mimo", prompt=healed + [paren], max_tokens=7, **GREEDY)
     assert fim.choices[0].text == same.choices[0].text
 
 
