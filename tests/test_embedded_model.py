@@ -71,3 +71,14 @@ def test_a_cursor_after_the_space_is_healed():
     healed, _ = parse_rate(engine_, 20, after_space=True)
     unhealed = sum(parses(kw, complete_line(engine_, before)) for _, before, kw in points) / len(points)
     assert healed > 0.5 and healed >= unhealed + 0.15
+
+
+def test_fim_quality_prompts_are_an_editors():
+    """`quality --fim`: the suffix is what follows the completed line."""
+    from engine.engine import Engine
+    from engine.training.quality import parse_rate, text_after_line
+
+    text = "x = 1\ndef f(a):\n    return a\n"
+    assert text_after_line(text, "x = 1\ndef") == "\n    return a\n"
+    rate, samples = parse_rate(Engine.load(ASSETS), 2, fim=True)
+    assert len(samples) == 2 and rate == sum(s.parses for s in samples) / 2

@@ -5,10 +5,11 @@ model sees the file up to and including the keyword (not the space after it)
 and completes the line greedily; the line counts as plausible when it parses
 as Python with a `pass` body. `--after-space` cuts after the space instead, as
 an editor's cursor after "def " does, and heals the prompt's last token as the
-LSP adapter does (engine/prompts.py). Also measures per-depth acceptance at
-temperature 0.
+LSP adapter does (engine/prompts.py). `--fim` asks as an editor does: a
+fill-in-the-middle prompt whose suffix is the text after the line (healed too).
+Also measures per-depth acceptance at temperature 0.
 
-    python -m engine.training.quality [CHECKPOINT] [--lines N] [--after-space]
+    python -m engine.training.quality [CHECKPOINT] [--lines N] [--after-space] [--fim]
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from pathlib import Path
 import engine  # noqa: F401  (BLAS before mlx)
 from engine.engine import Engine
 from engine.generation import GenerationRequest
-from engine.prompts import heal_last_token
+from engine.prompts import heal_last_token, healed_fim_prompt_ids
 from engine.sampling import SamplerSettings
 from engine.training.corpus import held_out_files
 from engine.training.measure import measure_acceptance
 
 KEYWORD_LINE = re.compile(r"^(?P<indent>[ \t]*)(?P<kw>def|for|if) ", re.MULTILINE)
 CONTEXT_CHARS = 1500
+SUFFIX_CHARS = 600  # --fim: text after the completed line
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,15 @@ def cut_points(limit: int, after_space: bool = False) -> list[tuple[str, str, st
     return points[:limit]
 
 
-def complete_line(engine_: Engine, before: str, max_tokens: int = 48, heal: bool = False) -> str:
-    ids, healed = list(engine_.tokenizer.encode(before)), None
-    if heal:
-        ids, healed = heal_last_token(engine_.tokenizer, ids)
+def complete_line(engine_: Engine, before: str, max_tokens: int = 48, heal: bool = False,
+                  suffix: str | None = None) -> str:
+    """The rest of the line after `before`: a plain prompt, or with `suffix` a FIM one."""
+    if suffix is not None:
+        ids, healed = healed_fim_prompt_ids(engine_.tokenizer, before, suffix, heal=heal)
+    else:
+        ids, healed = list(engine_.tokenizer.encode(before)), None
+        if heal:
+            ids, healed = heal_last_token(engine_.tokenizer, ids)
     gen = engine_.open(GenerationRequest(prompt=tuple(ids), sampler=SamplerSettings(temperature=0.0), mode="ar",
                                          max_tokens=max_tokens, stop_token_ids=frozenset(engine_.tokenizer.eos_token_ids),
                                          first_tokens=healed.first_tokens if healed else None))
@@ -80,12 +87,21 @@ def parses(keyword: str, rest: str) -> bool:
         return False
 
 
-def parse_rate(engine_: Engine, lines: int, after_space: bool = False) -> tuple[float, list[Sample]]:
+def parse_rate(engine_: Engine, lines: int, after_space: bool = False,
+               fim: bool = False) -> tuple[float, list[Sample]]:
+    texts = {doc.path: doc.text for doc in held_out_files()} if fim else {}
     samples = []
     for path, before, keyword in cut_points(lines, after_space):
-        rest = complete_line(engine_, before, heal=after_space)
+        suffix = text_after_line(texts[path], before) if fim else None
+        rest = complete_line(engine_, before, heal=after_space or fim, suffix=suffix)
         samples.append(Sample(path, keyword, rest, parses(keyword, rest)))
     return sum(s.parses for s in samples) / max(1, len(samples)), samples
+
+
+def text_after_line(text: str, before: str) -> str:
+    """What follows the line `before` ends in: an editor's suffix for the cursor."""
+    end = text.find("\n", text.find(before) + len(before))
+    return text[end : end + SUFFIX_CHARS] if end >= 0 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--after-space", action="store_true",
                         help="cut after the keyword's space and heal the prompt (as the LSP adapter does)")
+    parser.add_argument("--fim", action="store_true",
+                        help="fill-in-the-middle prompts with the text after the line as suffix (healed)")
     args = parser.parse_args(argv)
     engine_ = Engine.load(args.checkpoint)
-    rate, samples = parse_rate(engine_, args.lines, args.after_space)
+    rate, samples = parse_rate(engine_, args.lines, args.after_space, args.fim)
     prompts = [before for _, before, _ in cut_points(8)]
     acceptance = measure_acceptance(engine_, prompts, depth=args.depth, n_tokens=64)
     for s in samples[:10]:
