@@ -9,7 +9,6 @@ adapters/mcp_paths.py, argument types and outputs from adapters/mcp_schema.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -117,8 +116,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         before, after, shown = await _cursor_context(ws, path, line, character, prefix, suffix)
         info = await adapter.ready(ctx, deadline)
         ids, heal = _fim_ids(info, before, after, max_tokens)
-        request = replace(_request(info, ids, max_tokens, SamplerSettings(temperature=0.0), ws, continuation=True),
-                          heal=heal)
+        request = _request(info, ids, max_tokens, SamplerSettings(temperature=0.0), ws, continuation=True, heal=heal)
         return FimCompletion(**await adapter.run_text(ctx, request, info, deadline), path=shown,
                              line=line if shown else None, character=character if shown else None,
                              language=language_of(shown, language))
@@ -213,9 +211,11 @@ def _sampler(info: ModelInfo, temperature: float | None) -> SamplerSettings:
 
 
 def _request(info: ModelInfo, ids: list[int], max_tokens: int | None, sampler: SamplerSettings,
-             workspace: str | None, stop: Sequence[str] = (), continuation: bool = False) -> TextRequest:
+             workspace: str | None, stop: Sequence[str] = (), continuation: bool = False,
+             heal: Heal | None = None) -> TextRequest:
     return TextRequest(prompt_ids=tuple(ids), max_tokens=_budget(info, len(ids), max_tokens), sampler=sampler,
-                       stop=tuple(stop), priority=Priority.NORMAL, workspace=workspace, continuation=continuation)
+                       stop=tuple(stop), priority=Priority.NORMAL, workspace=workspace, continuation=continuation,
+                       heal=heal)
 
 
 # -- files -------------------------------------------------------------------------------

@@ -70,11 +70,11 @@ class MTPLayer(mimo.TransformerBlock):
 @dataclass(frozen=True)
 class StepInputs:
     """What every block of one step shares: the rotary cos/sin [L, head_dim] of its
-    positions and the attention mask."""
+    positions, which attention it uses and that attention's mask."""
 
-    length: int
     cos: mx.array
     sin: mx.array
+    on_cpu: bool  # a decode-sized step on the CPU: cpu_attention
     mask: Any  # cpu_attention's grouped boolean mask, or what mlx-lm's attention takes
 
 
@@ -144,25 +144,21 @@ class MiMoBackend(Backend):
         """Rotary slices and mask, built once for all the blocks of a step."""
         length = x.shape[1]
         cos, sin = self.rope.slices(cache.offset, length)
-        if not self._cpu_decode(length):
-            return StepInputs(length, cos, sin, create_attention_mask(x, cache))
+        if length > COMPILED_MAX_TOKENS or mx.default_device() != mx.cpu:
+            return StepInputs(cos, sin, False, create_attention_mask(x, cache))
         causal = create_causal_mask(length, cache.offset) if length > 1 else None
-        return StepInputs(length, cos, sin, grouped_mask(causal, self.group))
+        return StepInputs(cos, sin, True, grouped_mask(causal, self.group))
 
     def _block(self, block: nn.Module, rows: mx.array, step: StepInputs, cache) -> mx.array:
         n = rows.shape[0]
         prepare = self._step("attention_inputs", block, partial(attention_inputs, block), n)
         q, k, v = prepare(rows, step.cos, step.sin)
         k, v = cache.update_and_fetch(k, v)
-        if self._cpu_decode(step.length):
+        if step.on_cpu:
             attended = cpu_attention(q, k, v, step.mask)  # eager: the cache length changes every step
         else:
             attended = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=step.mask)
         return self._step("block_output", block, partial(block_output, block), n)(rows, attended)
-
-    def _cpu_decode(self, length: int) -> bool:
-        """A decode-sized step on the CPU: attention by `cpu_attention`."""
-        return length <= COMPILED_MAX_TOKENS and mx.default_device() == mx.cpu
 
     def _output(self, norm: nn.Module, x: mx.array, last: bool = False) -> tuple[mx.array, mx.array]:
         """(logits, normed hidden): the final norm, then the LM head (on the last
