@@ -241,10 +241,10 @@ class PromptBuilder:
             head = self.context_ids(context, path, snap.language_id, options.workspace_context_tokens,
                                     workspace_name)
         prefix_ids, heal = heal_last_token(self.tokenizer, self.encode(prefix))
-        fill = [self.fim.prefix, *prefix_ids, self.fim.suffix, *self.encode(suffix), self.fim.middle]
+        suffix_ids = self.encode(suffix)
         if self.file_sep is not None:  # repository layout: files, then the FIM part of this one
-            return [*self.bos, *head, *fill], heal
-        return [*self.bos, self.fim.prefix, *head, *fill[1:]], heal
+            return [*self.bos, *head, *self.fim.layout(prefix_ids, suffix_ids)], heal
+        return [*self.bos, *self.fim.layout([*head, *prefix_ids], suffix_ids)], heal
 
     def count_text(self, text: str) -> int:
         return sum(self.count(line) for line in text.splitlines(True))

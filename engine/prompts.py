@@ -24,7 +24,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 _ROLE_ALIASES = {"developer": "system"}
 
 # FIM triples by naming scheme, in the order they are tried. Each is
-# (prefix, suffix, middle); the prompt is laid out prefix-suffix-middle (PSM).
+# (prefix, suffix, middle); the prompt is laid out prefix-suffix-middle (PSM) unless
+# the checkpoint's tokenizer_config.json says "fim_order": "spm".
 FIM_SCHEMES = (
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen, StarCoder 2, DeepSeek-style
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder
@@ -39,6 +40,13 @@ class FimTokens:
     prefix: int
     suffix: int
     middle: int
+    order: str = "psm"  # or "spm", as the model was trained (engine/training/data.py)
+
+    def layout(self, prefix_ids: list[int], suffix_ids: list[int]) -> list[int]:
+        """The prompt after which the model writes the middle."""
+        if self.order == "spm":
+            return [self.prefix, self.suffix, *suffix_ids, self.middle, *prefix_ids]
+        return [self.prefix, *prefix_ids, self.suffix, *suffix_ids, self.middle]
 
 
 # -- chat ------------------------------------------------------------------------
@@ -196,8 +204,14 @@ def _find_fim(tokenizer: Any) -> FimTokens | str:
     for vocab in (_added_vocab(tokenizer), _full_vocab(tokenizer)):
         for names in FIM_SCHEMES:
             if all(name in vocab for name in names):
-                return FimTokens(*(vocab[name] for name in names))
+                return FimTokens(*(vocab[name] for name in names), order=_fim_order(tokenizer))
     return "this model's tokenizer has no fill-in-the-middle tokens, so `suffix` is not supported"
+
+
+def _fim_order(tokenizer: Any) -> str:
+    """The FIM order tokenizer_config.json names (transformers keeps unknown keys in init_kwargs)."""
+    order = (getattr(tokenizer, "init_kwargs", None) or {}).get("fim_order", "psm")
+    return "spm" if order == "spm" else "psm"
 
 
 def _added_vocab(tokenizer: Any) -> dict[str, int]:
@@ -225,8 +239,7 @@ def healed_fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str, heal: bool =
     prefix_ids, healed = _encode_plain(tokenizer, prefix), None
     if heal:
         prefix_ids, healed = heal_last_token(tokenizer, prefix_ids)
-    ids = [*leading_special(tokenizer), fim.prefix, *prefix_ids, fim.suffix, *_encode_plain(tokenizer, suffix), fim.middle]
-    return ids, healed
+    return [*leading_special(tokenizer), *fim.layout(prefix_ids, _encode_plain(tokenizer, suffix))], healed
 
 
 def _encode_plain(tokenizer: Any, text: str) -> list[int]:

@@ -17,7 +17,7 @@ progress, Ctrl-C), full, heads, measure.
 """
 
 from engine.training.corpus import HELD_OUT_MODULES, default_corpus_dir, held_out_files, load_corpus
-from engine.training.data import Batches, build_stream, fim_ids, fim_split
+from engine.training.data import Batches, build_stream, fim_ids, fim_split, token_starts
 from engine.training.full import ModelSettings, train_model
 from engine.training.heads import HeadsSettings, train_heads
 from engine.training.measure import measure_acceptance
@@ -29,7 +29,7 @@ __all__ = [
     "HELD_OUT_MODULES", "RESUMABLE", "SPECIAL_TOKENS", "STATE_DIR", "Batches", "HeadsSettings", "MTPModel",
     "ModelSettings", "TrainResult", "build_stream", "default_corpus_dir", "fim_ids",
     "fim_split", "held_out_files", "load_corpus", "measure_acceptance", "model_config", "parameter_count",
-    "resume_training", "save_tokenizer", "train_heads", "train_model", "train_tokenizer",
+    "resume_training", "save_tokenizer", "token_starts", "train_heads", "train_model", "train_tokenizer",
 ]
 
 # What a resumed run may change; everything else comes from the saved state.

@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", metavar="N", type=int, help="tokens per sequence (default 256)")
     p.add_argument("--batch", metavar="N", type=int, help="sequences per step (default 8)")
     p.add_argument("--lr", metavar="X", type=float, help="peak learning rate (default 3e-3; heads-only 1e-3)")
+    p.add_argument("--fim-order", choices=["psm", "spm"],
+                   help="fill-in-the-middle sample order (default spm: the prefix right before the middle)")
     p.add_argument("--seed", metavar="S", type=int, help="seed for init, FIM and data order (default 0)")
     p.add_argument("--save-every", metavar="N", type=int, help="checkpoint interval in steps (default 100)")
     p.add_argument("--max-minutes", metavar="M", type=float,
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         "corpus": args.corpus, "vocab": args.vocab, "layers": args.layers, "hidden": args.hidden,
         "heads": args.heads, "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
         "lr": args.lr, "seed": args.seed, "save_every": args.save_every, "threads": args.threads,
-        "max_minutes": args.max_minutes,
+        "max_minutes": args.max_minutes, "fim_order": args.fim_order,
         "max_corpus_bytes": int(args.max_corpus_mb * 1e6) if args.max_corpus_mb else None,
     }
     given = {k: v for k, v in given.items() if v is not None}

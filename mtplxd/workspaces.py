@@ -25,7 +25,7 @@ import anyio
 import anyio.to_thread
 from watchfiles import Change, DefaultFilter, awatch
 
-from engine.prompts import completion_prompt_ids, fim_prompt_ids
+from engine.prompts import completion_prompt_ids, fim_prompt_ids, fim_tokens
 from mtplxd.jobs import Failed, WarmRequest, Warmed
 
 log = logging.getLogger("mtplxd.workspaces")
@@ -51,12 +51,15 @@ def normalize_workspace(path: Any) -> str:
 
 
 def warmup_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """What every fill-in-the-middle prompt for this file shares up to its cursor:
-    the FIM prefix marker and the text (the plain text when the model has no FIM)."""
+    """What fill-in-the-middle prompts for this file share up to their cursor: the FIM
+    prefix marker and the text (the plain text when the model has no FIM). A model
+    trained suffix-prefix-middle reads the suffix first, so only prompts with nothing
+    after the cursor share the text: those are what it warms."""
     try:
-        return fim_prompt_ids(tokenizer, text, "")[:-2]  # drop the suffix and middle markers
+        ids = fim_prompt_ids(tokenizer, text, "")
     except ValueError:
         return completion_prompt_ids(tokenizer, text)
+    return ids if fim_tokens(tokenizer).order == "spm" else ids[:-2]  # PSM: drop the suffix and middle markers
 
 
 class SourceFilter(DefaultFilter):

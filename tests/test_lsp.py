@@ -424,3 +424,30 @@ def test_prompts_budget_and_stable_context(checkpoint):
     shared = next((i for i, (p, q) in enumerate(zip(one, two)) if p != q), len(one))
     assert shared >= one.index(builder.fim.suffix)
     assert heal_one.text == " " and heal_two.text in ("h", " h")  # by character, or byte-level BPE
+
+
+def test_prompts_of_a_suffix_prefix_middle_model(checkpoint, tmp_path):
+    """A model trained SPM (tokenizer_config.json "fim_order": "spm") gets its suffix first; the
+    other files and the prefix come last, right before the middle, and survive keystrokes."""
+    import json
+    import shutil
+
+    from engine.engine import load_tokenizer
+
+    folder = tmp_path / "spm"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint / name, folder / name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "fim_order": "spm"}))
+    builder = PromptBuilder(load_tokenizer(folder))
+    other = [ContextDocument("file:///w/b.py", 3, "b.py", "python", "def helper():\n    return 42\n")]
+    snap = snapshot("file:///w/a.py", _Doc("import os\nx = \nprint(x)\n"), 1, 4)
+    ids, heal = builder.build(snap, Options(context_tokens=400), "a.py", other)
+    assert ids[:2] == [builder.fim.prefix, builder.fim.suffix] and ids.count(builder.fim.middle) == 1
+    text = builder.tokenizer.decode(ids)
+    assert text.startswith("<|fim_prefix|><|fim_suffix|>\nprint(x)\n<|fim_middle|># b.py\ndef helper():")
+    assert text.endswith("# a.py\nimport os\nx =") and heal.text == " "
+    snap2 = snapshot("file:///w/a.py", _Doc("import os\nx = h\nprint(x)\n", 2), 1, 5)
+    two, _ = builder.build(snap2, Options(context_tokens=400), "a.py", other)
+    assert two[: len(ids) - 1] == ids[:-1]

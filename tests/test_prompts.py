@@ -105,6 +105,28 @@ def test_fim_is_prefix_suffix_middle_with_the_tokenizers_tokens(tokenizer):
     assert ids[0] == fim.prefix and ids[-1] == fim.middle
 
 
+@pytest.fixture(scope="module")
+def spm_tokenizer(tmp_path_factory):
+    """The same tokenizer, from a checkpoint trained suffix-prefix-middle."""
+    folder = tmp_path_factory.mktemp("spm")
+    write_tokenizer(folder)
+    config_path = folder / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "fim_order": "spm"}))
+    return load_tokenizer(folder)
+
+
+def test_fim_order_comes_from_the_tokenizer_config(tokenizer, spm_tokenizer):
+    """SPM: the middle continues the prefix right before it, so healing and the
+    prefix's tokens sit last."""
+    assert fim_tokens(tokenizer).order == "psm" and fim_tokens(spm_tokenizer).order == "spm"
+    ids = fim_prompt_ids(spm_tokenizer, "def f(", "):\n")
+    assert spm_tokenizer.decode(ids) == "<|fim_prefix|><|fim_suffix|>):\n<|fim_middle|>def f("
+    healed, heal = healed_fim_prompt_ids(spm_tokenizer, "def f(", "):\n")
+    assert healed == ids[: len(ids) - 1] and spm_tokenizer.decode([ids[-1]]) == heal.text == "("
+    psm, _ = healed_fim_prompt_ids(tokenizer, "def f(", "):\n")
+    assert sorted(psm) == sorted(healed) and psm != healed
+
+
 def test_fim_text_that_looks_like_a_special_token_stays_text(tokenizer):
     """Pieces are encoded apart, so the only FIM ids are the three we place."""
     fim = fim_tokens(tokenizer)
@@ -180,10 +202,21 @@ def test_nothing_to_heal(bpe_tokenizer):
 
 def test_fim_prompt_with_its_prefix_healed(bpe_tokenizer):
     tok = bpe_tokenizer
-    plain = fim_prompt_ids(tok, "class A:\n    def ", "\n")
-    healed, heal = healed_fim_prompt_ids(tok, "class A:\n    def ", "\n")
+    prefix_ids = list(tok.encode("class A:\n    def ", add_special_tokens=False))
+    suffix_ids = list(tok.encode("\n", add_special_tokens=False))
     fim = fim_tokens(tok)
-    cut = plain.index(fim.suffix)
-    assert healed == plain[: cut - 1] + plain[cut:] and heal.text == " "
-    assert tok.decode(healed[healed.index(fim.prefix) + 1 : healed.index(fim.suffix)]) + heal.text == "class A:\n    def "
+    assert fim_prompt_ids(tok, "class A:\n    def ", "\n") == fim.layout(prefix_ids, suffix_ids)
+    healed, heal = healed_fim_prompt_ids(tok, "class A:\n    def ", "\n")
+    assert healed == fim.layout(prefix_ids[:-1], suffix_ids) and heal.text == " "
+    assert tok.decode(prefix_ids[:-1]) + heal.text == "class A:\n    def "
     assert healed_fim_prompt_ids(tok, "", "x")[1] is None  # no prefix: nothing to heal
+
+
+def test_workspace_warmup_is_what_fim_prompts_begin_with(tokenizer, spm_tokenizer):
+    from mtplxd.workspaces import warmup_prompt_ids
+
+    text = "import os\n\ndef main():\n"
+    for tok in (tokenizer, spm_tokenizer):
+        warm = warmup_prompt_ids(tok, text)
+        at_the_end = fim_prompt_ids(tok, text + "    return 1\n", "")  # a cursor with nothing after it
+        assert at_the_end[: len(warm)] == warm and len(warm) >= len(tok.encode(text))

@@ -21,7 +21,7 @@ from engine.engine import Engine, load_tokenizer
 from engine.generation import GenerationRequest
 from engine.sampling import SamplerSettings
 from engine.train import (
-    SPECIAL_TOKENS, STATE_DIR, Batches, HeadsSettings, ModelSettings, build_stream, fim_ids, fim_split,
+    SPECIAL_TOKENS, STATE_DIR, Batches, HeadsSettings, ModelSettings, build_stream, fim_ids, fim_split, token_starts,
     load_corpus, measure_acceptance, resume_training, save_tokenizer, train_heads, train_model,
     train_tokenizer,
 )
@@ -93,10 +93,22 @@ def test_fim_transform_is_prefix_suffix_middle(corpus):
     text = repetitive_source(7)
     prefix, middle, suffix = fim_split(text, random.Random(3))
     assert prefix + middle + suffix == text and middle
+    # Editor-shaped cuts: the cursor at a token start, the middle mostly the rest of its line.
+    cursors = token_starts(tok.encode(text), text)
+    assert cursors[-1] == len(text) and set(cursors) < set(range(len(text) + 1))
+    rng = random.Random(0)
+    splits = [fim_split(text, rng, cursors) for _ in range(400)]
+    assert all(p + m + s == text and len(p) in cursors for p, m, s in splits)
+    rest_of_line = sum("\n" not in m and s[:1] in ("\n", "") for _, m, s in splits) / len(splits)
+    several_lines = sum(m.count("\n") >= 1 and s[:1] in ("\n", "") for _, m, s in splits) / len(splits)
+    assert 0.4 < rest_of_line < 0.65 and 0.15 < several_lines < 0.35
     ids = fim_ids(tok, prefix, middle, suffix)
     enc = lambda s: tok.encode(s).ids  # noqa: E731
     assert ids == ([special["<|fim_prefix|>"]] + enc(prefix) + [special["<|fim_suffix|>"]] + enc(suffix)
                    + [special["<|fim_middle|>"]] + enc(middle) + [special["<|endoftext|>"]])
+    assert fim_ids(tok, prefix, middle, suffix, order="spm") == (
+        [special["<|fim_prefix|>"], special["<|fim_suffix|>"]] + enc(suffix) + [special["<|fim_middle|>"]]
+        + enc(prefix) + enc(middle) + [special["<|endoftext|>"]])
     # In the packed stream about half of the pieces are FIM samples, each in PSM order.
     texts = [repetitive_source(i) for i in range(40)]
     stream = build_stream(tok, texts, seq_len=32, fim_rate=0.5, seed=0).tolist()
@@ -221,6 +233,22 @@ def test_time_budget_stops_with_a_checkpoint(corpus, tmp_path):
     assert result.step == 1
     assert json.loads((out / STATE_DIR / "state.json").read_text())["step"] == 1
     assert inspect_checkpoint(out).status == "supported"
+
+
+def test_spm_order_is_saved_and_kept_by_heads_training(corpus, tmp_path):
+    from engine.prompts import fim_tokens
+
+    out = tmp_path / "spm"
+    train_model(ModelSettings(out=str(out), corpus=str(corpus), steps=50, max_minutes=0, fim_order="spm", **TINY))
+    heads = tmp_path / "spm-heads"
+    train_heads(HeadsSettings(model=str(out), out=str(heads), corpus=str(corpus), steps=1, replace_heads=True,
+                              **HEADS_TINY))
+    for folder in (out, heads):
+        assert fim_tokens(Engine.load(folder).tokenizer).order == "spm"
+        stream = np.load(folder / STATE_DIR / "tokens.npy").tolist()
+        fim = fim_tokens(Engine.load(folder).tokenizer)
+        starts = [i for i, t in enumerate(stream[:-1]) if t == fim.prefix]
+        assert starts and all(stream[i + 1] == fim.suffix for i in starts)
 
 
 def _greedy(eng: Engine, prompt: str | tuple[int, ...], n: int, mode: str = "ar") -> list[int]:

@@ -1,41 +1,83 @@
 """Documents -> token stream -> fixed-length training windows.
 
 Each document is cut at line breaks into pieces that fit one sequence. About
-half of the pieces (seeded) become fill-in-the-middle samples in PSM order:
+half of the pieces (seeded) become fill-in-the-middle samples, cut as an
+editor's request is (`fim_split`), in PSM or SPM order (`_fim_sample`):
 
     <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|> middle <|endoftext|>
+    <|fim_prefix|> <|fim_suffix|> suffix <|fim_middle|> prefix middle <|endoftext|>
 
-split at two random character positions; the others stay plain text, with
-`<|endoftext|>` after a document's last piece. Everything is concatenated
-into one stream; window i is stream[i*L : i*L + L + 1] (inputs and shifted
-targets). The order of windows is a seeded permutation per epoch, so the
-data position is a single integer: the number of windows consumed.
+The others stay plain text, with `<|endoftext|>` after a document's last
+piece. Everything is concatenated into one stream; window i is
+stream[i*L : i*L + L + 1] (inputs and shifted targets). The order of windows
+is a seeded permutation per epoch, so the data position is a single integer:
+the number of windows consumed.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
 from engine.training.tokenizer import EOS, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, special_ids
 
 
-def fim_split(text: str, rng: random.Random) -> tuple[str, str, str]:
-    """(prefix, middle, suffix) at two random character positions."""
-    a, b = sorted(rng.randint(0, len(text)) for _ in range(2))
-    return text[:a], text[a:b], text[b:]
+def fim_split(text: str, rng: random.Random, cursors: Sequence[int] | None = None) -> tuple[str, str, str]:
+    """(prefix, middle, suffix) shaped like an editor's request.
+
+    The cursor (the middle's start) is one of `cursors`, sorted positions
+    where a token of the whole text starts (default: any character). The
+    middle runs to the end of the cursor's line (half the samples), to the end
+    of a line 1-8 lines further (a quarter), or to a later cursor position (a
+    quarter). Editors ask for the rest of a line with the text after it as
+    suffix, after the prompt's last token was healed away (engine/prompts.py);
+    middles cut at random characters taught a small model to continue
+    mid-word and to run on across lines instead.
+    """
+    cursors = cursors or range(len(text) + 1)
+    i = rng.randrange(len(cursors))
+    start, shape = cursors[i], rng.random()
+    if shape < 0.75:
+        end = _line_end(text, start)
+        for _ in range(rng.randint(1, 8) if shape >= 0.5 else 0):
+            end = _line_end(text, end + 1) if end < len(text) else end
+    else:
+        end = cursors[rng.randrange(i, len(cursors))]
+    return text[:start], text[start:end], text[end:]
 
 
-def fim_ids(tok, prefix: str, middle: str, suffix: str) -> list[int]:
-    """The PSM sample's ids, each part tokenized on its own."""
+def _line_end(text: str, start: int) -> int:
+    end = text.find("\n", start)
+    return len(text) if end < 0 else end
+
+
+def token_starts(encoding, text: str) -> list[int] | None:
+    """Sorted character positions where `encoding`'s tokens of `text` start, and its end
+    (None when the encoder gives no offsets)."""
+    offsets = getattr(encoding, "offsets", None)
+    if not offsets:
+        return None
+    return sorted({start for start, _ in offsets if start < len(text)} | {len(text)})
+
+
+def fim_ids(tok, prefix: str, middle: str, suffix: str, order: str = "psm") -> list[int]:
+    """The FIM sample's ids, each part tokenized on its own."""
     s = special_ids(tok)
     enc = tok.encode_batch([prefix, suffix, middle], add_special_tokens=False)
-    return _psm(s, enc[0].ids, enc[1].ids, enc[2].ids)
+    return _fim_sample(s, order, enc[0].ids, enc[1].ids, enc[2].ids)
 
 
-def _psm(s: dict[str, int], prefix: list[int], suffix: list[int], middle: list[int]) -> list[int]:
+def _fim_sample(s: dict[str, int], order: str, prefix: list[int], suffix: list[int],
+                middle: list[int]) -> list[int]:
+    """PSM: <PRE> prefix <SUF> suffix <MID> middle. SPM: <PRE> <SUF> suffix <MID> prefix
+    middle, where the middle continues the prefix as in plain text, so what a small model
+    learns from plain text carries over (in PSM the middle's start must be found across
+    the whole suffix)."""
+    if order == "spm":
+        return [s[FIM_PREFIX], s[FIM_SUFFIX], *suffix, s[FIM_MIDDLE], *prefix, *middle, s[EOS]]
     return [s[FIM_PREFIX], *prefix, s[FIM_SUFFIX], *suffix, s[FIM_MIDDLE], *middle, s[EOS]]
 
 
@@ -54,7 +96,7 @@ def split_lines(text: str, max_chars: int) -> list[str]:
 
 
 def build_stream(tok, texts: list[str], seq_len: int, fim_rate: float = 0.5, seed: int = 0,
-                 eos_id: int | None = None) -> np.ndarray:
+                 eos_id: int | None = None, fim_order: str = "psm") -> np.ndarray:
     """Tokenize, FIM-transform and concatenate every text (uint16/int32 ids).
 
     `tok` is a `tokenizers.Tokenizer` (or anything with encode/encode_batch
@@ -72,23 +114,27 @@ def build_stream(tok, texts: list[str], seq_len: int, fim_rate: float = 0.5, see
     chars_per_token = max(1.0, len(sample) / max(1, len(tok.encode(sample).ids)))
     max_chars = max(16, int(seq_len * chars_per_token * 0.8))
     rng = random.Random(seed)
+    pieces = [(piece, j == len(split) - 1) for text in texts for split in [split_lines(text, max_chars)]
+              for j, piece in enumerate(split)]
+    is_fim = [rng.random() < fim_rate and len(piece) > 1 for piece, _ in pieces]
+    fim_pieces = [piece for (piece, _), fim in zip(pieces, is_fim) if fim]
+    cursors = iter([token_starts(e, piece) for e, piece in
+                    zip(tok.encode_batch(fim_pieces, add_special_tokens=False), fim_pieces)])
     strings: list[str] = []
     plan: list[tuple[str, int]] = []  # ("plain"|"plain_eos"|"fim", first string index)
-    for text in texts:
-        pieces = split_lines(text, max_chars)
-        for j, piece in enumerate(pieces):
-            if rng.random() < fim_rate and len(piece) > 1:
-                prefix, middle, suffix = fim_split(piece, rng)
-                plan.append(("fim", len(strings)))
-                strings += [prefix, suffix, middle]
-            else:
-                plan.append(("plain_eos" if j == len(pieces) - 1 else "plain", len(strings)))
-                strings.append(piece)
+    for (piece, last), fim in zip(pieces, is_fim):
+        if fim:
+            prefix, middle, suffix = fim_split(piece, rng, next(cursors))
+            plan.append(("fim", len(strings)))
+            strings += [prefix, suffix, middle]
+        else:
+            plan.append(("plain_eos" if last else "plain", len(strings)))
+            strings.append(piece)
     encoded = [e.ids for e in tok.encode_batch(strings, add_special_tokens=False)]
     out: list[int] = []
     for kind, i in plan:
         if kind == "fim":
-            out += _psm(s, encoded[i], encoded[i + 1], encoded[i + 2])
+            out += _fim_sample(s, fim_order, encoded[i], encoded[i + 1], encoded[i + 2])
         else:
             out += encoded[i]
             if kind == "plain_eos":

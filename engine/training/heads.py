@@ -35,6 +35,7 @@ import numpy as np
 from engine.backends.descriptors import inspect_checkpoint, mlx_model_type
 from engine.backends.mimo import HEAD_PREFIX
 from engine.checkpoint import CheckpointError, read_config, read_header, weight_keys
+from engine.prompts import fim_tokens
 from engine.training import trainer
 from engine.training.corpus import held_out_files, load_corpus, manifest
 from engine.training.data import Batches, build_stream
@@ -230,6 +231,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     encoder = _encoder(src, engine_)
     has_fim = None not in (encoder.token_to_id(t) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE))
     fim_rate = s.fim_rate if s.fim_rate is not None else (0.5 if has_fim else 0.0)
+    fim_order = fim_tokens(engine_.tokenizer).order if has_fim else "psm"
     eos = engine_.tokenizer.eos_token_id
     state_dir.mkdir(parents=True, exist_ok=True)
     if resume:
@@ -239,7 +241,8 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
         docs = load_corpus(s.corpus, s.max_corpus_bytes)
         corpus_info = manifest(docs)
         say(f"corpus: {corpus_info['files']} files, {corpus_info['bytes'] / 1e6:.1f} MB")
-        stream = build_stream(encoder, [d.text for d in docs], s.seq_len, fim_rate, s.seed, eos_id=eos)
+        stream = build_stream(encoder, [d.text for d in docs], s.seq_len, fim_rate, s.seed, eos_id=eos,
+                              fim_order=fim_order)
         np.save(state_dir / "tokens.npy", stream)
     batches = Batches(stream, s.seq_len, s.batch, s.seed)
 
@@ -264,7 +267,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     evaluate = None
     held = held_out_files(s.corpus) if s.eval_windows else []
     windows = eval_windows(build_stream(encoder, [d.text for d in held], s.seq_len, fim_rate, s.seed + 1,
-                                        eos_id=eos), s.seq_len, s.eval_windows) if held else None
+                                        eos_id=eos, fim_order=fim_order), s.seq_len, s.eval_windows) if held else None
     if windows is not None:
         evaluate = lambda: evaluate_heads(model, windows)  # noqa: E731
 

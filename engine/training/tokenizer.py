@@ -60,8 +60,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096):
     return tok
 
 
-def save_tokenizer(tok, folder: Path, model_max_length: int = 2048) -> None:
-    """Write tokenizer.json, tokenizer_config.json (and the chat template)."""
+def save_tokenizer(tok, folder: Path, model_max_length: int = 2048, fim_order: str = "psm") -> None:
+    """Write tokenizer.json, tokenizer_config.json (and the chat template; `fim_order`
+    when it is not the usual prefix-suffix-middle)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
@@ -86,6 +87,8 @@ def save_tokenizer(tok, folder: Path, model_max_length: int = 2048) -> None:
     config["chat_template"] = CHAT_TEMPLATE
     config["additional_special_tokens"] = SPECIAL_TOKENS[1:]
     config.pop("backend", None)
+    if fim_order != "psm":
+        config["fim_order"] = fim_order
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     (folder / "chat_template.jinja").unlink(missing_ok=True)
 
