@@ -154,12 +154,17 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
 # -- prompts and requests ----------------------------------------------------------------
 
 
-def _ids(build: Any, tokenizer: Any, *args: Any) -> list[int]:
-    """A prompt's token ids; what the prompt builder refuses is the caller's error."""
+def _built(build: Any, tokenizer: Any, *args: Any) -> Any:
+    """What a prompt builder returns; what it refuses is the caller's error."""
     try:
-        ids = build(tokenizer, *args)
+        return build(tokenizer, *args)
     except ValueError as e:
         raise ToolError(str(e)) from None
+
+
+def _ids(build: Any, tokenizer: Any, *args: Any) -> list[int]:
+    """A prompt's token ids (see _built)."""
+    ids = _built(build, tokenizer, *args)
     if not ids:
         raise ToolError("the prompt is empty")
     return ids
@@ -179,10 +184,7 @@ def _fim_ids(info: ModelInfo, before: str, after: str, max_tokens: int | None) -
     before, after = before[-FIM_PREFIX_CHARS:], after[:FIM_SUFFIX_CHARS]
     room = info.context_length - (max_tokens or min(DEFAULT_MAX_TOKENS, info.context_length // 4))
     while True:
-        try:
-            ids, heal = healed_fim_prompt_ids(info.tokenizer, before, after)
-        except ValueError as e:  # a model without FIM tokens
-            raise ToolError(str(e)) from None
+        ids, heal = _built(healed_fim_prompt_ids, info.tokenizer, before, after)  # no FIM tokens: a tool error
         if len(ids) <= room or (not before and not after):
             return ids, heal
         before, after = before[len(before) // 2:], after[: len(after) // 2]

@@ -42,8 +42,9 @@ def fim_split(text: str, rng: random.Random, cursors: Sequence[int] | None = Non
     start, shape = cursors[i], rng.random()
     if shape < 0.75:
         end = _line_end(text, start)
-        for _ in range(rng.randint(1, 8) if shape >= 0.5 else 0):
-            end = _line_end(text, end + 1) if end < len(text) else end
+        if shape >= 0.5:  # and a few lines more
+            for _ in range(rng.randint(1, 8)):
+                end = _line_end(text, end + 1) if end < len(text) else end
     else:
         end = cursors[rng.randrange(i, len(cursors))]
     return text[:start], text[start:end], text[end:]
