@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,7 +42,17 @@ def ensure_fast_blas() -> BlasInfo:
     return _loaded
 
 
+# OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each threaded call
+# before they sleep. After a prefill chunk that spinning thread takes a core from
+# MLX's worker and the Python thread that builds the next step: on the 2-core
+# development machine it cost decode a fifth of its speed (AR 221 -> 282 tok/s
+# at temperature 0 with 2^4, the least OpenBLAS allows) while prefill kept its
+# speed (1,047 / 1,009 tok/s). OpenBLAS reads the variable when it loads.
+IDLE_SPIN = "4"
+
+
 def _load() -> BlasInfo:
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", IDLE_SPIN)
     if sys.platform == "darwin":
         return BlasInfo("accelerate", None, "macOS: MLX uses Accelerate and Metal")
     if not sys.platform.startswith("linux"):

@@ -181,3 +181,19 @@ def test_heads_give_the_last_logits_alone(tmp_path, family):
     last, _ = backend.head(0, hidden[:, :-1], prompt[:, 1:], backend.make_head_caches()[0], last=True)
     assert last.shape[1] == 1
     assert close(last, every[:, -1:]) < TOLERANCE
+
+
+@pytest.mark.parametrize("given,kept", [(None, "4"), ("12", "12")])
+def test_openblas_idle_threads_sleep_at_once_unless_the_user_chose(given, kept):
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads: importing the engine
+    sets the shortest spin before that, and keeps a value the user set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    probe = "import engine, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == kept
