@@ -4,7 +4,9 @@ Speculative decoding pays when checking K+1 tokens costs about as much as
 decoding one. This measures that ratio on random MiMo-layout trunks of a few
 sizes (after `--context` cached tokens, one BLAS thread, as decode steps run),
 with the BLAS shim's few-row kernel on and, side by side in the same process,
-off (plain sgemm). Usage:
+its AVX2 form (the same as "shim" on CPUs without AVX-512) and off (plain
+sgemm). Absolute times of the one-token step and the 4-token window follow.
+Usage:
 
     python -m engine.bench_rows [--sizes 192x8,512x8,1024x12] [--context 450]
 """
@@ -66,8 +68,9 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(1)
     switch = few_rows_switch()
-    modes = {"shim": 1, "sgemm": 0} if switch else {"sgemm": None}
-    print(f"{'params':>8}  {'1 token':>9}  " + "  ".join(f"L={n} {m}" for m in modes for n in LENGTHS[1:]))
+    modes = {"shim": 1, "avx2": 2, "sgemm": 0} if switch else {"sgemm": None}
+    print(f"{'params':>8}  {'1 token':>9}  " + "  ".join(f"L={n} {m}" for m in modes for n in LENGTHS[1:])
+          + "  " + "  ".join(f"{m} 1 / L=4 ms" for m in modes))
     for size in args.sizes.split(","):
         hidden, layers = map(int, size.split("x"))
         backend = trunk(hidden, layers)
@@ -87,7 +90,8 @@ def main() -> None:
             switch(1)
         one = best[next(iter(modes)), 1]
         ratios = "  ".join(f"{best[m, n] / best[m, 1]:>9.2f}" for m in modes for n in LENGTHS[1:])
-        print(f"{params / 1e6:>7.1f}M  {one:>7.2f}ms  {ratios}", flush=True)
+        absolute = "  ".join(f"{best[m, 1]:>7.2f} / {best[m, LENGTHS[-1]]:<7.2f}" for m in modes)
+        print(f"{params / 1e6:>7.1f}M  {one:>7.2f}ms  {ratios}  {absolute}", flush=True)
 
 
 if __name__ == "__main__":

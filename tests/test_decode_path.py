@@ -103,13 +103,15 @@ def few_rows_kernel():
     switch(1)
 
 
+@pytest.mark.parametrize("kernel", [1, 2], ids=["widest", "avx2"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
-@pytest.mark.parametrize("n,k", [(4096, 192), (1031, 203), (64, 2100), (7, 2048), (10, 1000)])
-def test_few_row_products_of_the_blas_shim(few_rows_kernel, rows, n, k):
-    """Up to 8 rows of x @ W^T skip sgemm for the shim's own kernel (odd sizes,
-    tails, and matrices shorter than its prefetch distance included); every
-    operand layout must still give numpy's float64 product, and the same as
-    sgemm/sgemv."""
+@pytest.mark.parametrize("n,k", [(4096, 192), (1031, 203), (64, 2100), (7, 2048), (10, 1000), (1000, 9)])
+def test_few_row_products_of_the_blas_shim(few_rows_kernel, kernel, rows, n, k):
+    """Up to 8 rows of x @ W^T skip sgemm for the shim's own kernels (the AVX-512
+    one where the CPU has it, and the AVX2 one: odd sizes, tails, and matrices
+    shorter than the prefetch distance included); every operand layout must
+    still give numpy's float64 product, and the same as sgemm/sgemv."""
+    few_rows_kernel(kernel)
     rng = np.random.default_rng(rows * n)
     weight = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)

@@ -42,12 +42,21 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
  * one-token step from 3.0 ms (sgemv) to 1.3 ms, and of a 4-token verify window
  * from 5.6 ms (the same kernel without prefetching) to 2.3 ms.
  *
+ * Where the CPU has AVX-512, few_rows_nt512 takes four rows of W at a time:
+ * more reads in flight, and twice the multiply width for a window's extra rows.
+ * A 4-token window of a 369M-parameter trunk went from 163 ms (the AVX2 kernel)
+ * to 125 ms, about one token's 121 ms (python -m engine.bench_rows).
+ *
  * Matrices under GEMV_MIN elements, prefill chunks and other layouts: sgemm. */
 #define FEW_ROWS 8
 #define GEMV_MIN (8 * 1024) /* elements of W: smaller matmuls cost next to nothing */
-#define PREFETCH_ROWS 8     /* how far ahead few_rows_nt prefetches W */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8 /* how far ahead few_rows_nt prefetches W */
+#endif
 
-static int few_rows_enabled = 1; /* mtplxd_few_rows(0) turns the kernel off (tests) */
+/* mtplxd_few_rows: 0 turns the kernels off, 2 keeps the AVX2 one where AVX-512 is there
+ * (tests and side-by-side measurements), 1 (the default) takes the widest. */
+static int few_rows_enabled = 1;
 
 void mtplxd_few_rows(int enabled) { few_rows_enabled = enabled; }
 
@@ -113,14 +122,103 @@ static void dots(blasint rows, const float *x, blasint lda, const float *w0, con
     }
 }
 
+/* AVX-512: four rows of W at a time, dotted with 1 to 4 rows of x (16
+ * accumulators of 16 floats), the tail of each row by a masked load. Four
+ * rows of W in flight instead of two keep more of the memory pipeline busy,
+ * and the 512-bit FMAs give the verify window's extra rows room to hide under
+ * the reads: see "Fast CPU matmuls" in the README for what it did. */
+__attribute__((target("avx512f"))) static inline __m256 fold16(__m512 v)
+{
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* The four sums of a, b, c, d, in that order. */
+__attribute__((target("avx512f"))) static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    __m256 ab = _mm256_hadd_ps(fold16(a), fold16(b)), cd = _mm256_hadd_ps(fold16(c), fold16(d));
+    __m256 s = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* out[r * 4 + i] = x[r] . w[i] for ROWS rows of x and the 4 rows w[0..3] of W;
+ * ahead (or NULL): 4 rows of W further on (ldb apart), prefetched a line per step. */
+#define DEFINE_DOTS4W(ROWS)                                                                  \
+    __attribute__((target("avx512f"))) static void dots4w_##ROWS(                          \
+        const float *x, blasint lda, const float *const w[4], blasint k, float *out,        \
+        const float *ahead, blasint ldb)                                                    \
+    {                                                                                       \
+        __m512 acc[ROWS][4];                                                                \
+        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++)                              \
+            _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps(); \
+        for (blasint j = 0; j < k; j += 16) {                                               \
+            __mmask16 live = k - j >= 16 ? 0xFFFF : (__mmask16)((1u << (k - j)) - 1);       \
+            if (ahead)                                                                      \
+                _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)                         \
+                    _mm_prefetch((const char *)(ahead + (long)i * ldb + j), _MM_HINT_T0);   \
+            __m512 v[4];                                                                    \
+            _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)                             \
+                v[i] = _mm512_maskz_loadu_ps(live, w[i] + j);                               \
+            _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                        \
+                __m512 xr = _mm512_maskz_loadu_ps(live, x + (long)r * lda + j);             \
+                _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)                         \
+                    acc[r][i] = _mm512_fmadd_ps(xr, v[i], acc[r][i]);                       \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < ROWS; r++)                                                      \
+            _mm_storeu_ps(out + r * 4, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));   \
+    }
+DEFINE_DOTS4W(1)
+DEFINE_DOTS4W(2)
+DEFINE_DOTS4W(3)
+DEFINE_DOTS4W(4)
+
+static void dots4w(blasint rows, const float *x, blasint lda, const float *const w[4], blasint k,
+                   float *out, const float *ahead, blasint ldb)
+{
+    switch (rows) {
+    case 1: dots4w_1(x, lda, w, k, out, ahead, ldb); break;
+    case 2: dots4w_2(x, lda, w, k, out, ahead, ldb); break;
+    case 3: dots4w_3(x, lda, w, k, out, ahead, ldb); break;
+    default: dots4w_4(x, lda, w, k, out, ahead, ldb); break;
+    }
+}
+
+static void few_rows_nt512(blasint m, blasint n, blasint k, float alpha, const float *a, blasint lda,
+                           const float *b, blasint ldb, float beta, float *c, blasint ldc)
+{
+    float d[16];
+    for (blasint j = 0; j < n; j += 4) {
+        const float *w[4];
+        for (int i = 0; i < 4; i++) /* past the end of W: its last row again, not stored */
+            w[i] = b + (long)(j + i < n ? j + i : n - 1) * ldb;
+        const float *ahead = j + PREFETCH_ROWS + 4 <= n ? w[0] + (long)PREFETCH_ROWS * ldb : 0;
+        for (blasint r0 = 0; r0 < m; r0 += 4) {
+            blasint rows = m - r0 < 4 ? m - r0 : 4;
+            dots4w(rows, a + (long)r0 * lda, lda, w, k, d, r0 == 0 ? ahead : 0, ldb);
+            for (blasint r = 0; r < rows; r++) {
+                float *out = c + (long)(r0 + r) * ldc + j;
+                for (blasint i = 0; i < 4 && j + i < n; i++)
+                    out[i] = alpha * d[r * 4 + i] + (beta == 0.0f ? 0.0f : beta * out[i]);
+            }
+        }
+    }
+}
+
 static int few_rows_nt(blasint m, blasint n, blasint k, float alpha, const float *a,
                        blasint lda, const float *b, blasint ldb, float beta, float *c, blasint ldc)
 {
-    static int usable = -1;
-    if (usable < 0)
+    static int usable = -1, wide = 0;
+    if (usable < 0) {
         usable = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        wide = usable && __builtin_cpu_supports("avx512f");
+    }
     if (!usable || !few_rows_enabled)
         return 0;
+    if (wide && few_rows_enabled == 1) {
+        few_rows_nt512(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return 1;
+    }
     float d0[4], d1[4];
     for (blasint j = 0; j < n; j += 2) {
         const float *w0 = b + (long)j * ldb;
