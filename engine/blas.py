@@ -63,7 +63,12 @@ def _load() -> BlasInfo:
         lib = ctypes.CDLL(str(SHIM_PATH), mode=ctypes.RTLD_GLOBAL)
         lib.mtplxd_blas_config.restype = ctypes.c_char_p
         config = lib.mtplxd_blas_config().decode()
-        return BlasInfo("openblas", str(SHIM_PATH), f"scipy-openblas32 via shim: {config}")
+        detail = f"scipy-openblas32 via shim: {config}"
+        kernel = getattr(lib, "mtplxd_few_rows_kernel", None)  # a shim built before it has none
+        if kernel is not None:
+            kernel.restype = ctypes.c_char_p
+            detail += f"; few-row decode kernel: {kernel().decode()}"
+        return BlasInfo("openblas", str(SHIM_PATH), detail)
     system = ctypes.util.find_library("openblas")
     if system:
         ctypes.CDLL(system, mode=ctypes.RTLD_GLOBAL)

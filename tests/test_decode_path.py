@@ -5,6 +5,7 @@ against mx.fast.rope, and the BLAS shim's matrix-vector route against numpy."""
 from __future__ import annotations
 
 import ctypes
+import platform
 
 import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
@@ -199,3 +200,17 @@ def test_openblas_idle_threads_sleep_at_once_unless_the_user_chose(given, kept):
     probe = "import engine, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == kept
+
+
+def test_the_shim_names_the_decode_kernel_this_cpu_gets():
+    """`mtplxd doctor` reports which few-row kernel serves decode steps: the widest
+    this CPU's flags allow."""
+    blas = ensure_fast_blas()
+    if blas.library != "openblas" or blas.path is None:
+        pytest.skip("the shim serves OpenBLAS on Linux only")
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    expected = "none"
+    if platform.machine() == "x86_64" and {"avx2", "fma"} <= flags:
+        expected = "AVX-512" if "avx512f" in flags else "AVX2"
+    assert f"few-row decode kernel: {expected}" in blas.detail

@@ -205,17 +205,24 @@ static void few_rows_nt512(blasint m, blasint n, blasint k, float alpha, const f
     }
 }
 
+/* 2: AVX-512, 1: AVX2 + FMA, 0: neither (few_rows_nt declines). */
+static int kernel_level(void)
+{
+    static int level = -1;
+    if (level < 0) {
+        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        level = avx2 ? (__builtin_cpu_supports("avx512f") ? 2 : 1) : 0;
+    }
+    return level;
+}
+
 static int few_rows_nt(blasint m, blasint n, blasint k, float alpha, const float *a,
                        blasint lda, const float *b, blasint ldb, float beta, float *c, blasint ldc)
 {
-    static int usable = -1, wide = 0;
-    if (usable < 0) {
-        usable = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        wide = usable && __builtin_cpu_supports("avx512f");
-    }
-    if (!usable || !few_rows_enabled)
+    int level = kernel_level();
+    if (level == 0 || !few_rows_enabled)
         return 0;
-    if (wide && few_rows_enabled == 1) {
+    if (level == 2 && few_rows_enabled == 1) {
         few_rows_nt512(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return 1;
     }
@@ -239,6 +246,8 @@ static int few_rows_nt(blasint m, blasint n, blasint k, float alpha, const float
     return 1;
 }
 #else
+static int kernel_level(void) { return 0; }
+
 static int few_rows_nt(blasint m, blasint n, blasint k, float alpha, const float *a,
                        blasint lda, const float *b, blasint ldb, float beta, float *c, blasint ldc)
 {
@@ -286,6 +295,13 @@ void cblas_cgemm(int order, int ta, int tb, blasint m, blasint n, blasint k,
                  blasint ldb, const void *beta, void *c, blasint ldc)
 {
     scipy_cblas_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+/* Lets `mtplxd doctor` name the few-row kernel decode steps get. */
+const char *mtplxd_few_rows_kernel(void)
+{
+    static const char *names[] = {"none (sgemv/sgemm)", "AVX2", "AVX-512"};
+    return names[kernel_level()];
 }
 
 /* Lets `mtplxd doctor` name the library that serves MLX. */
