@@ -6,8 +6,7 @@ loads (`auto_profile`) unless `--profile` or a request names another:
     sustained  the default: long contexts, chunked prefill (bounded memory per
                step, so other requests interleave), depth up to 2
     burst      short contexts, lowest latency: big prefill chunks, depth up to 3
-    turbo      quantized models: compiled sampling filters (fewer dispatches, for
-               GPUs), the deepest profitable depth (up to 3)
+    turbo      quantized models: the deepest profitable depth (up to 3)
 
 Which depth a profile decodes with is not guessed: `mtplxd bench` (or the
 daemon's own background calibration) measures AR against MTP at each depth
@@ -40,18 +39,16 @@ class Profile:
     name: str
     prefill_chunk: int  # prompt tokens per scheduler step
     max_depth: int  # deepest MTP depth the profile may choose
-    compiled: bool  # mx.compile the sampling filters of a cycle
     default_depth: int  # used until a calibration exists for this model and machine
 
     def describe(self) -> str:
-        return (f"{self.name}: prefill chunk {self.prefill_chunk}, depth <= {self.max_depth}"
-                f"{', compiled sampling' if self.compiled else ''}")
+        return f"{self.name}: prefill chunk {self.prefill_chunk}, depth <= {self.max_depth}"
 
 
 PROFILES = {
-    "sustained": Profile("sustained", prefill_chunk=512, max_depth=2, compiled=False, default_depth=2),
-    "burst": Profile("burst", prefill_chunk=2048, max_depth=3, compiled=False, default_depth=1),
-    "turbo": Profile("turbo", prefill_chunk=512, max_depth=3, compiled=True, default_depth=3),
+    "sustained": Profile("sustained", prefill_chunk=512, max_depth=2, default_depth=2),
+    "burst": Profile("burst", prefill_chunk=2048, max_depth=3, default_depth=1),
+    "turbo": Profile("turbo", prefill_chunk=512, max_depth=3, default_depth=3),
 }
 
 
@@ -63,8 +60,8 @@ def get_profile(name: str) -> Profile:
 
 
 def auto_profile(config: dict) -> Profile:
-    """Quantized trunks are memory-bound and cheap per step, which is where a deep,
-    compiled cycle pays; everything else gets the safe default."""
+    """Quantized trunks are memory-bound and cheap per step, which is where a deep
+    cycle pays; everything else gets the safe default."""
     quantized = isinstance(config.get("quantization") or config.get("quantization_config"), dict)
     return PROFILES["turbo" if quantized else "sustained"]
 
@@ -211,7 +208,6 @@ class DecodePlan:
     mode: Literal["ar", "mtp"]
     depth: int  # MTP depth (for AR, what a later MTP request would use; unused)
     prefill_chunk: int
-    compiled: bool
     source: Literal["request", "measured", "default"]
 
 
@@ -229,12 +225,12 @@ class DecodePlanner:
         chosen = get_profile(profile) if profile else self.profile
         fixed = depth or self.forced_depth
         if self.n_heads == 0:
-            return DecodePlan(chosen.name, "ar", 0, chosen.prefill_chunk, False, "default")
+            return DecodePlan(chosen.name, "ar", 0, chosen.prefill_chunk, "default")
         pick = self._choice(chosen, temperature)
         depth = fixed or (pick.depth if pick.mode == "mtp" else chosen.default_depth)
         if mode is not None or fixed is not None:  # the client or the operator decided
-            return DecodePlan(chosen.name, mode or "mtp", depth, chosen.prefill_chunk, chosen.compiled, "request")
-        return DecodePlan(chosen.name, pick.mode, depth, chosen.prefill_chunk, chosen.compiled, pick.source)
+            return DecodePlan(chosen.name, mode or "mtp", depth, chosen.prefill_chunk, "request")
+        return DecodePlan(chosen.name, pick.mode, depth, chosen.prefill_chunk, pick.source)
 
     def _choice(self, profile: Profile, temperature: float) -> DepthChoice:
         if self.calibration is None:

@@ -41,6 +41,28 @@ class SamplerSettings:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0  # skip at 1.0: float32 cumsum rounding could drop tail tokens
+
+    @property
+    def uses_min_p(self) -> bool:
+        return self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class _TracedSettings:
+    """SamplerSettings inside a compiled trace: the numbers are arrays (inputs of
+    the trace), the choices that shape the graph stay Python values."""
+
+    temperature: mx.array
+    top_p: mx.array
+    top_k: int
+    min_p: mx.array
+    uses_top_p: bool
+    uses_min_p: bool
+    greedy: bool = False
+
 
 # Candidates for the top-p cut before falling back to a full sort: a sampled
 # nucleus is usually far smaller, and mx.topk is ~10x cheaper than mx.sort here.
@@ -49,13 +71,25 @@ class SamplerSettings:
 TOP_P_CANDIDATES = 512
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=64)
 def compiled_probabilities(settings: SamplerSettings) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
-    """`provisional_probabilities` for fixed settings, traced once per shape by
-    mx.compile (covered is always an array here)."""
+    """`provisional_probabilities` for these settings, compiled (covered is always an
+    array here). The temperature, top-p and min-p go in as an array: one trace per
+    input shape and kind of filtering serves every value, where a number traced in
+    would be a constant of the generated CPU kernels, each new value costing a
+    C++ compile of its own (~0.6 s at a request's first token)."""
+    if settings.greedy:
+        return lambda logits: (provisional_probabilities(logits, settings)[0], mx.array(True))
+    numbers = mx.array([settings.temperature, settings.top_p, settings.min_p], dtype=mx.float32)
+    traced = _compiled_filters(settings.top_k, settings.uses_top_p, settings.uses_min_p)
+    return lambda logits: traced(logits, numbers)
 
-    def provisional(logits: mx.array) -> tuple[mx.array, mx.array]:
-        probs, covered = provisional_probabilities(logits, settings)
+
+@lru_cache(maxsize=32)
+def _compiled_filters(top_k: int, uses_top_p: bool, uses_min_p: bool) -> Callable:
+    def provisional(logits: mx.array, numbers: mx.array) -> tuple[mx.array, mx.array]:
+        settings = _TracedSettings(numbers[0], numbers[1], top_k, numbers[2], uses_top_p, uses_min_p)
+        probs, covered = _filtered(logits, settings, shortcut=True)
         return probs, mx.array(True) if covered is None else covered
 
     return mx.compile(provisional)
@@ -86,7 +120,7 @@ def provisional_probabilities(logits: mx.array, settings: SamplerSettings) -> tu
     return _filtered(logits, settings, shortcut=True)
 
 
-def _filtered(logits: mx.array, settings: SamplerSettings, shortcut: bool) -> tuple[mx.array, mx.array | None]:
+def _filtered(logits: mx.array, settings: SamplerSettings | _TracedSettings, shortcut: bool) -> tuple[mx.array, mx.array | None]:
     logits = logits.astype(mx.float32)
     if settings.greedy:
         return _one_hot_argmax(logits), None
@@ -113,7 +147,7 @@ def _one_hot_argmax(logits: mx.array) -> mx.array:
     return (vocab == top).astype(mx.float32)
 
 
-def _keep_mask(probs: mx.array, s: SamplerSettings, shortcut: bool) -> tuple[mx.array | None, mx.array | None]:
+def _keep_mask(probs: mx.array, s: SamplerSettings | _TracedSettings, shortcut: bool) -> tuple[mx.array | None, mx.array | None]:
     """Boolean [..., V] of the tokens the filters keep (None when no filter is on),
     and whether the top-p shortcut held the cut (None when not taken).
 
@@ -124,8 +158,8 @@ def _keep_mask(probs: mx.array, s: SamplerSettings, shortcut: bool) -> tuple[mx.
     """
     vocab_size = probs.shape[-1]
     use_k = 0 < s.top_k < vocab_size
-    use_p = s.top_p < 1.0  # skip at 1.0: float32 cumsum rounding could drop tail tokens
-    use_min = s.min_p > 0.0
+    use_p = s.uses_top_p
+    use_min = s.uses_min_p
     if not (use_k or use_p or use_min):
         return None, None
 

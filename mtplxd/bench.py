@@ -59,11 +59,10 @@ def held_out_prompts(n: int, chars: int = 1200) -> list[str]:
     return prompts
 
 
-def run_once(engine_: Engine, ids: tuple[int, ...], config: Config, max_tokens: int, tally: Tally,
-             compiled: bool = False) -> None:
+def run_once(engine_: Engine, ids: tuple[int, ...], config: Config, max_tokens: int, tally: Tally) -> None:
     sampler = TEMPERATURES[config.temperature]
     gen = engine_.open(GenerationRequest(prompt=ids, sampler=sampler, mode=config.mode, depth=max(config.depth, 1),
-                                         max_tokens=max_tokens, seed=0, prefill_chunk=4096, compiled=compiled))
+                                         max_tokens=max_tokens, seed=0, prefill_chunk=4096))
     start = time.perf_counter()
     gen.step()  # the whole prompt (one chunk) and the first token
     first = time.perf_counter()
@@ -92,7 +91,7 @@ def configs(depths: list[int], temperature: str) -> list[Config]:
 
 
 def bench(engine_: Engine, prompts: list[str], depths: list[int], rounds: int, max_tokens: int,
-          progress=None, compiled: bool = False) -> dict:
+          progress=None) -> dict:
     tallies: dict[tuple, Tally] = {}
     encoded = [tuple(engine_.tokenizer.encode(p)) for p in prompts]
     mx.reset_peak_memory()
@@ -103,7 +102,7 @@ def bench(engine_: Engine, prompts: list[str], depths: list[int], rounds: int, m
             for config in plan:
                 for ids in encoded:
                     key = (config.mode, config.depth, config.temperature)
-                    run_once(engine_, ids, config, max_tokens, tallies.setdefault(key, Tally()), compiled)
+                    run_once(engine_, ids, config, max_tokens, tallies.setdefault(key, Tally()))
                     if progress:
                         progress.update(1)
     return report(engine_, tallies)
@@ -151,7 +150,7 @@ def run(model: str | None, prompts: int, rounds: int, max_tokens: int, depths: l
     texts = held_out_prompts(prompts)
     n_configs = 2 * len(depths) if engine_.backend.n_heads else 1
     with tqdm(total=rounds * len(TEMPERATURES) * n_configs * len(texts), desc="bench", unit="run") as bar:
-        result = bench(engine_, texts, depths, rounds, max_tokens, bar, compiled=chosen.compiled)
+        result = bench(engine_, texts, depths, rounds, max_tokens, bar)
     result["profile"] = chosen.name
     print_table(result)
     if state_dir is not None and engine_.backend.n_heads:

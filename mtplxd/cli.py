@@ -213,7 +213,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="also write the figures as JSON to FILE (stdout without FILE)")
     p.add_argument("--profile", choices=PROFILE_NAMES,
-                   help="profile to measure (turbo: compiled sampling; default: chosen from the model)")
+                   help="profile to measure (default: chosen from the model)")
     p.add_argument("--no-save", action="store_true",
                    help="do not store the measurement (by default the daemon's profiles use it to pick the depth)")
 

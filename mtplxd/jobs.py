@@ -260,7 +260,6 @@ class TextJob:
                 seed=seed,
                 max_tokens=request.max_tokens,
                 prefill_chunk=plan.prefill_chunk,
-                compiled=plan.compiled,
                 stop_token_ids=frozenset() if request.ignore_eos else frozenset(engine.tokenizer.eos_token_ids),
                 first_tokens=request.heal.first_tokens if request.heal else None,
             ),

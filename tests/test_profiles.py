@@ -156,7 +156,7 @@ def test_bench_command_stores_what_the_daemon_reads(tmp_path, mimo_folder):
     assert report["profile"] == "sustained" and report["speedup"]["t0"] is not None
 
 
-# -- turbo: compiled sampling and verification ------------------------------------------
+# -- compiled sampling and verification --------------------------------------------------
 
 
 def test_compiled_verify_matches_the_eager_sampler():
@@ -174,9 +174,26 @@ def test_compiled_generation_equals_eager(mimo_folder):
     eng = Engine.load(mimo_folder)
     hot = SamplerSettings(temperature=0.8, top_p=0.9)
     for sampler in (SamplerSettings(temperature=0.0), hot):
-        eager, _, _ = run(eng, [3, 4, 5], sampler=sampler, depth=2, max_tokens=24, seed=7)
-        fused, _, _ = run(eng, [3, 4, 5], sampler=sampler, depth=2, max_tokens=24, seed=7, compiled=True)
+        eager, _, _ = run(eng, [3, 4, 5], sampler=sampler, depth=2, max_tokens=24, seed=7, compiled=False)
+        fused, _, _ = run(eng, [3, 4, 5], sampler=sampler, depth=2, max_tokens=24, seed=7)
         assert fused == eager
+
+
+def test_one_compiled_filter_serves_every_temperature_and_top_p():
+    """The numbers go into the compiled filters as an array: a new temperature or
+    top-p reuses the trace (a number traced in would mean new kernels, and a C++
+    compile, per value), and gives exactly the eager probabilities."""
+    from engine import sampling
+
+    sampling.compiled_probabilities.cache_clear()
+    sampling._compiled_filters.cache_clear()
+    logits = mx.random.normal((3, 64), key=mx.random.key(4)) * 3
+    for temperature, top_p in ((0.6, 0.95), (0.7, 0.9), (1.3, 0.5)):
+        settings = SamplerSettings(temperature=temperature, top_p=top_p)
+        compiled, covered = sampling.compiled_probabilities(settings)(logits)
+        assert covered.item()
+        assert mx.array_equal(compiled, sampling.probabilities(logits, settings))
+    assert sampling._compiled_filters.cache_info().misses == 1
 
 
 # -- through the daemon ------------------------------------------------------------------
