@@ -47,7 +47,7 @@ from engine.session_mlx import (
     to_host,
 )
 from engine.session_state import Restore, Snapshot, SnapshotMismatch, Tensor
-from engine.speculative import compiled_verify, sample, verify_greedy
+from engine.speculative import compiled_sample, compiled_verify, sample, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -439,7 +439,7 @@ class Generation:
         if self.request.sampler.greedy:
             return mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32), None
         probs = self._probs(logits, exact)
-        return sample(probs, key), probs
+        return (compiled_sample if self.request.compiled else sample)(probs, key), probs
 
     def _next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)

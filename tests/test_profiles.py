@@ -23,7 +23,7 @@ from engine.profiles import (
     PROFILES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
 )
 from engine.sampling import SamplerSettings
-from engine.speculative import compiled_verify, verify
+from engine.speculative import compiled_sample, compiled_verify, sample, verify
 from mtplxd import bench
 from tests.checkpoints import write
 from tests.daemon_fixture import running_daemon
@@ -168,6 +168,8 @@ def test_compiled_verify_matches_the_eager_sampler():
         key = mx.random.key(seed)
         a, b = verify(p, q, drafts, key), compiled_verify(p, q, drafts, key)
         assert a[0].item() == b[0].item() and a[1].item() == b[1].item()
+        drawn = [sample(p[0], k) for k in mx.random.split(key, 8)]
+        assert mx.array_equal(mx.stack(drawn), mx.stack([compiled_sample(p[0], k) for k in mx.random.split(key, 8)]))
 
 
 def test_compiled_generation_equals_eager(mimo_folder):
