@@ -60,7 +60,7 @@ class GenerationRequest:
     max_tokens: int = 256
     stop_token_ids: frozenset[int] = frozenset()
     prefill_chunk: int = 512
-    compiled: bool = True  # mx.compile the sampling filters (off: the eager reference, for tests); verification always is
+    compiled: bool = True  # mx.compile the sampling filters and draws (off: the eager reference, for tests)
     first_tokens: frozenset[int] | None = None  # what the first token may be (token healing); None: any
 
     def __post_init__(self) -> None:
