@@ -61,7 +61,7 @@ class _TracedSettings:
     min_p: mx.array
     uses_top_p: bool
     uses_min_p: bool
-    greedy: bool = False
+    greedy: bool
 
 
 # Candidates for the top-p cut before falling back to a full sort: a sampled
@@ -78,17 +78,15 @@ def compiled_probabilities(settings: SamplerSettings) -> Callable[[mx.array], tu
     input shape and kind of filtering serves every value, where a number traced in
     would be a constant of the generated CPU kernels, each new value costing a
     C++ compile of its own (~0.6 s at a request's first token)."""
-    if settings.greedy:
-        return lambda logits: (provisional_probabilities(logits, settings)[0], mx.array(True))
     numbers = mx.array([settings.temperature, settings.top_p, settings.min_p], dtype=mx.float32)
-    traced = _compiled_filters(settings.top_k, settings.uses_top_p, settings.uses_min_p)
+    traced = _compiled_filters(settings.top_k, settings.uses_top_p, settings.uses_min_p, settings.greedy)
     return lambda logits: traced(logits, numbers)
 
 
 @lru_cache(maxsize=32)
-def _compiled_filters(top_k: int, uses_top_p: bool, uses_min_p: bool) -> Callable:
+def _compiled_filters(top_k: int, uses_top_p: bool, uses_min_p: bool, greedy: bool) -> Callable:
     def provisional(logits: mx.array, numbers: mx.array) -> tuple[mx.array, mx.array]:
-        settings = _TracedSettings(numbers[0], numbers[1], top_k, numbers[2], uses_top_p, uses_min_p)
+        settings = _TracedSettings(numbers[0], numbers[1], top_k, numbers[2], uses_top_p, uses_min_p, greedy)
         probs, covered = _filtered(logits, settings, shortcut=True)
         return probs, mx.array(True) if covered is None else covered
 

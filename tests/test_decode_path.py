@@ -5,7 +5,10 @@ against mx.fast.rope, and the BLAS shim's matrix-vector route against numpy."""
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
+import subprocess
+import sys
 
 import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
@@ -190,10 +193,6 @@ def test_heads_give_the_last_logits_alone(tmp_path, family):
 def test_openblas_idle_threads_sleep_at_once_unless_the_user_chose(given, kept):
     """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads: importing the engine
     sets the shortest spin before that, and keeps a value the user set."""
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     if given is not None:
         env["OPENBLAS_THREAD_TIMEOUT"] = given
