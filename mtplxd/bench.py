@@ -4,7 +4,10 @@ Every round runs each prompt as AR and as MTP at each depth, one after the
 other (A B A B ...), at temperature 0 and at 0.6 / top-p 0.95, so machine
 noise hits every configuration alike. Figures are medians over rounds and
 prompts; prompts come from the standard-library modules held out of the
-embedded model's training.
+embedded model's training. Each configuration also reports what a decoded
+token costs: wall time, and CPU time of the thread that builds the graphs
+and of the threads that run them (`python -m engine.bench_cycle` takes one
+cycle apart).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class Tally:
     accepted: list[int] = field(default_factory=lambda: [0] * 8)
     cycles: int = 0
     decoded: int = 0
+    seconds: float = 0.0  # decoding wall time, summed over runs
+    python_cpu: float = 0.0  # CPU seconds of the thread that builds the graphs (this one)
+    worker_cpu: float = 0.0  # CPU seconds of every other thread: MLX's worker, BLAS
 
 
 def held_out_prompts(n: int, chars: int = 1200) -> list[str]:
@@ -66,6 +72,7 @@ def run_once(engine_: Engine, ids: tuple[int, ...], config: Config, max_tokens: 
     start = time.perf_counter()
     gen.step()  # the whole prompt (one chunk) and the first token
     first = time.perf_counter()
+    python_start, process_start = time.thread_time(), time.process_time()
     while not gen.finished:
         result = gen.step()
         tally.decoded += len(result.tokens)
@@ -76,6 +83,10 @@ def run_once(engine_: Engine, ids: tuple[int, ...], config: Config, max_tokens: 
             if not ok:
                 break
     end = time.perf_counter()
+    python_cpu = time.thread_time() - python_start
+    tally.python_cpu += python_cpu
+    tally.worker_cpu += time.process_time() - process_start - python_cpu
+    tally.seconds += end - first
     gen.close()
     tally.prefill_tok_s.append(len(ids) / (first - start))
     if gen.generated > 1:
@@ -118,6 +129,7 @@ def report(engine_: Engine, tallies: dict[tuple, Tally]) -> dict:
             "prefill_tok_s": round(statistics.median(t.prefill_tok_s), 1),
             "acceptance_by_depth": [round(a, 3) for a in acceptance],
             "tokens_per_cycle": round(t.decoded / t.cycles, 3) if t.cycles else 0.0,
+            "ms_per_token": per_token(t),
         })
     speedup = {}
     for name, sampler in TEMPERATURES.items():
@@ -132,6 +144,15 @@ def report(engine_: Engine, tallies: dict[tuple, Tally]) -> dict:
         "speedup": speedup,
         "peak_memory_bytes": int(mx.get_peak_memory()),
     }
+
+
+def per_token(t: Tally) -> dict[str, float]:
+    """Wall and CPU milliseconds a decoded token costs, the CPU split between the
+    thread that builds the graphs and the threads that run them: a decode step is
+    as fast as the busier of the two."""
+    n = max(t.decoded, 1)
+    return {"wall": round(1e3 * t.seconds / n, 3), "python_cpu": round(1e3 * t.python_cpu / n, 3),
+            "worker_cpu": round(1e3 * t.worker_cpu / n, 3)}
 
 
 def machine() -> str:
@@ -170,8 +191,11 @@ def run(model: str | None, prompts: int, rounds: int, max_tokens: int, depths: l
 
 def print_table(result: dict) -> None:
     print(f"{result['model']} on {result['machine']}")
-    print(f"{'mode':5} {'depth':>5} {'temp':>5} {'decode tok/s':>13} {'prefill tok/s':>14} {'tok/cycle':>10}  acceptance")
+    print(f"{'mode':5} {'depth':>5} {'temp':>5} {'decode tok/s':>13} {'prefill tok/s':>14} {'tok/cycle':>10}"
+          f" {'ms/token: wall':>15} {'python':>7} {'worker':>7}  acceptance")
     for r in result["runs"]:
+        ms = r["ms_per_token"]
         print(f"{r['mode']:5} {r['depth']:>5} {r['temperature']:>5} {r['decode_tok_s']:>13} {r['prefill_tok_s']:>14}"
-              f" {r['tokens_per_cycle']:>10}  {r['acceptance_by_depth']}")
+              f" {r['tokens_per_cycle']:>10} {ms['wall']:>15} {ms['python_cpu']:>7} {ms['worker_cpu']:>7}"
+              f"  {r['acceptance_by_depth']}")
     print(f"speedup (best MTP / AR): {result['speedup']}; peak memory {result['peak_memory_bytes'] / 2**20:.0f} MiB")

@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from engine import profiles
+from engine import bench_cycle, profiles
 from engine.engine import Engine
 from engine.profiles import (
     PROFILES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
@@ -140,6 +140,38 @@ def test_bench_report_becomes_a_calibration(mimo_folder):
         for r in (r for r in runs if r["mode"] == "mtp"):
             assert cal.speedups[key][r["depth"]] == pytest.approx(r["decode_tok_s"] / ar, abs=1e-3)
     assert set(cal.speedups["t0"]) == {1, 2}
+
+
+def test_bench_splits_each_token_between_the_graph_builder_and_the_workers(mimo_folder):
+    eng = Engine.load(mimo_folder)
+    result = bench.bench(eng, ["def f(x):\n    return x\n"], [1], rounds=1, max_tokens=12)
+    for r in result["runs"]:
+        ms = r["ms_per_token"]
+        assert ms["wall"] > 0 and ms["worker_cpu"] > 0  # on the CPU, MLX's own thread does the math
+        # One thread cannot use more CPU than the time that passed.
+        assert 0 < ms["python_cpu"] <= ms["wall"] * 1.05 + 0.05
+        assert ms["wall"] == pytest.approx(1e3 / r["decode_tok_s"], rel=0.5)
+
+
+def test_cycle_parts_are_measured_on_a_real_checkpoint(mimo_folder):
+    parts = bench_cycle.measure_parts(Engine.load(mimo_folder), context=24, repeats=3)
+    assert all(ms > 0 for ms in parts.values())
+    for b in bench_cycle.bounds(parts, target=1.8):  # every name the cycle model reads was measured
+        assert b["cycle_ms"] > parts[f"forward_{b['depth'] + 1}"]
+
+
+def test_cycle_model_adds_a_cycles_parts():
+    parts = {"forward_1": 3.0, "forward_2": 3.5, "forward_3": 4.0, "forward_4": 4.5, "draft": 1.0,
+             "draw_sampled": 0.4, "draw_greedy": 0.05}
+    for k in (1, 2, 3):
+        parts |= {f"filter_{k + 1}": 0.2 * (k + 1), f"verify_sampled_{k}": 0.3, f"verify_greedy_{k}": 0.1}
+    by = {(b["temperature"], b["depth"]): b for b in bench_cycle.bounds(parts, target=1.8)}
+    sampled = by[(0.6, 2)]  # window 4.0, two drafts 2 x 1.4, filter of 3 rows 0.6, verify 0.3
+    assert sampled["cycle_ms"] == pytest.approx(7.7) and sampled["ar_token_ms"] == pytest.approx(3.4)
+    assert sampled["best_speedup"] == pytest.approx(3 * 3.4 / 7.7, abs=0.01)
+    assert sampled["tokens_per_cycle_for_target"] == pytest.approx(1.8 * 7.7 / 3.4, abs=0.01)
+    greedy = by[(0.0, 1)]  # window 3.5, one draft 1.05, verify 0.1
+    assert greedy["cycle_ms"] == pytest.approx(4.65) and greedy["ar_token_ms"] == pytest.approx(3.05)
 
 
 def test_bench_command_stores_what_the_daemon_reads(tmp_path, mimo_folder):
