@@ -20,11 +20,11 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import engine
 import mlx.core as mx
 
+from engine.bench_rows import forward_step
 from engine.engine import Engine
 from engine.sampling import SamplerSettings, compiled_probabilities
 from engine.speculative import compiled_sample, compiled_verify, verify_greedy
@@ -60,13 +60,6 @@ def measure_parts(engine_: Engine, context: int, repeats: int) -> dict[str, floa
     key = mx.random.key(0)
     rows = {n: logits[0, -n:] for n in range(1, max(DEPTHS) + 2)}
 
-    def forward(length: int) -> Callable[[], None]:
-        def step():
-            mx.eval(backend.forward(mx.array([[5] * length]), cache)[0])
-            for c in cache:
-                c.trim(length)
-        return step
-
     def draft():
         mx.eval(backend.head(0, hidden[:, -1:], mx.array([[5]]), head_cache, last=True)[0])
         head_cache.trim(1)
@@ -83,7 +76,7 @@ def measure_parts(engine_: Engine, context: int, repeats: int) -> dict[str, floa
             f"verify_greedy_{depth}": lambda: mx.eval(verify_greedy(window[None], drafts)),
         }
 
-    steps = {f"forward_{n}": forward(n) for n in rows}
+    steps = {f"forward_{n}": forward_step(backend, cache, n) for n in rows}
     steps["draft"] = draft
     steps["draw_sampled"] = lambda: mx.eval(compiled_sample(filtered(rows[1])[0], key))
     steps["draw_greedy"] = lambda: mx.eval(mx.argmax(rows[1], axis=-1))
@@ -122,7 +115,7 @@ def bounds(parts: dict[str, float], target: float) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(Path(engine.__file__).parent / "assets"))
+    parser.add_argument("--model", default=str(engine.EMBEDDED_MODEL))
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--target", type=float, default=1.8)

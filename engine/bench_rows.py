@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import time
+from collections.abc import Callable
 
 import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
@@ -39,13 +40,19 @@ def trunk(hidden: int, layers: int) -> MiMoBackend:
     return MiMoBackend(model, [])
 
 
-def forward_ms(backend: MiMoBackend, cache: list, length: int, repeats: int) -> float:
+def forward_step(backend: MiMoBackend, cache: list, length: int) -> Callable[[], None]:
+    """One evaluated trunk forward of `length` tokens, its cache entries trimmed
+    again, so that every call runs at the same context."""
     def step():
         logits, hidden = backend.forward(mx.array([[5] * length]), cache)
         mx.eval(logits, hidden)
         for c in cache:
             c.trim(length)
+    return step
 
+
+def forward_ms(backend: MiMoBackend, cache: list, length: int, repeats: int) -> float:
+    step = forward_step(backend, cache, length)
     step()
     start = time.perf_counter()
     for _ in range(repeats):

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import engine  # noqa: F401  (BLAS before mlx)
+import engine  # BLAS before mlx
 import mlx.core as mx
 
 from engine.checkpoint import read_config
@@ -166,7 +166,7 @@ def run(model: str | None, prompts: int, rounds: int, max_tokens: int, depths: l
     """`state_dir`: store the measurement there, where the daemon's profiles read it."""
     from tqdm import tqdm
 
-    engine_ = Engine.load(model or Path(engine.__file__).parent / "assets")
+    engine_ = Engine.load(model or engine.EMBEDDED_MODEL)
     chosen = get_profile(profile) if profile else auto_profile(read_config(engine_.path))
     texts = held_out_prompts(prompts)
     n_configs = 2 * len(depths) if engine_.backend.n_heads else 1

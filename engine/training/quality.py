@@ -19,9 +19,8 @@ import ast
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-import engine  # noqa: F401  (BLAS before mlx)
+import engine  # BLAS before mlx
 from engine.engine import Engine
 from engine.generation import GenerationRequest
 from engine.prompts import heal_last_token, healed_fim_prompt_ids
@@ -106,7 +105,7 @@ def text_after_line(text: str, before: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", nargs="?", default=str(Path(engine.__file__).parent / "assets"))
+    parser.add_argument("checkpoint", nargs="?", default=str(engine.EMBEDDED_MODEL))
     parser.add_argument("--lines", type=int, default=60)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--after-space", action="store_true",
