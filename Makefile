@@ -4,17 +4,30 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Every direct and transitive dependency, for Linux and macOS, at an exact version
+# with the hashes of its files; `make lock` refreshes it.
+LOCK   := requirements.lock
+UV_VERSION := 0.13.9
 
-.PHONY: install start test test-slow doctor clean
+.PHONY: install lock start test test-slow test-kernels doctor clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml engine/native/cblas_shim.c scripts/build_blas_shim.sh
+$(STAMP): pyproject.toml $(LOCK) engine/native/cblas_shim.c scripts/build_blas_shim.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	sh scripts/build_blas_shim.sh $(BIN)/python
 	touch $(STAMP)
+
+# Resolves pyproject.toml (with the test extras) for every platform at once, keeping
+# the versions already pinned where they still fit; LOCK_FLAGS=--upgrade takes the
+# newest of everything. Run `make test` after it: the lock holds what the suite passed with.
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet uv==$(UV_VERSION)
+	$(BIN)/uv pip compile pyproject.toml scripts/installer-tools.in --extra test --universal \
+	    --python-version 3.11 --generate-hashes --quiet $(LOCK_FLAGS) -o $(LOCK)
 
 start: install
 	$(BIN)/mtplxd start
@@ -24,6 +37,12 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The engine tests under every BLAS kernel choice (scripts/kernel_matrix.py): the shim's
+# AVX-512 / AVX2 / no few-row kernel, OpenBLAS on 1 and 2 threads, OPENBLAS_CORETYPE
+# unset, Haswell and Sandybridge. About ten minutes on 2 cores.
+test-kernels: install
+	$(BIN)/python scripts/kernel_matrix.py
 
 doctor: install
 	$(BIN)/mtplxd doctor

@@ -61,6 +61,7 @@ import mlx.core as mx
 
 from adapters.anthropic import anthropic_routes, is_anthropic_path
 from adapters.anthropic_schema import error_body as anthropic_error_body
+from adapters.body_limit import BodyLimit
 from adapters.metrics import CONTENT_TYPE, Metrics, RequestCounter
 from adapters.openai_chat import ChatReader, chat_message, parse_chat
 from adapters.openai_schema import (
@@ -72,6 +73,8 @@ from mtplxd.jobs import Done, Embeddings, TextDelta
 from mtplxd.scheduler import NotReady, QueueFull, Ticket
 
 PRIORITY_HEADER = "x-mtplx-priority"
+MCP_PATH = "/mcp"  # adapters/mcp.py serves it in this app
+INVALID_REQUEST = -32600  # JSON-RPC
 OPEN_PATHS = ("/health",)  # reachable without the API key (liveness probes)
 HEALTH_STATUS = {"loading": "loading", "ready": "ok", "failed": "failed", "stopping": "stopping", "stopped": "stopping"}
 SSE_PING_S = 15  # keeps proxies from closing a stream while a long prompt prefills
@@ -92,9 +95,10 @@ def create_app(scheduler: Any, settings: Any) -> Starlette:
         *session_routes(scheduler),
         *anthropic_routes(api),
     ]
-    middleware = [  # outermost first: 401s are counted too
+    middleware = [  # outermost first: 401s and 413s are counted too
         Middleware(RequestCounter, metrics=metrics),
         Middleware(_ApiKey, key=getattr(settings, "api_key", None)),
+        Middleware(BodyLimit, max_bytes=settings.max_body_bytes, refuse=_too_large),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
@@ -267,29 +271,38 @@ class _ApiKey:
             return
         message = ("incorrect API key provided" if any(offered)
                    else "missing API key: send Authorization: Bearer <key> or x-api-key: <key>")
-        error = ApiError(401, message, code="invalid_api_key")
-        body = anthropic_error_body(error) if is_anthropic_path(scope["path"]) else error.body()
-        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        error = ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await _error_response(scope["path"], error)(scope, receive, send)
 
 
-def _error_response(request: Request, error: ApiError, headers: dict[str, str] | None = None) -> Response:
-    """OpenAI's error shape, or Anthropic's on the Messages API paths."""
-    body = anthropic_error_body(error) if is_anthropic_path(request.url.path) else error.body()
+def _error_response(path: str, error: ApiError, headers: dict[str, str] | None = None) -> Response:
+    """OpenAI's error shape; Anthropic's on the Messages API paths; a JSON-RPC error
+    (no request id known) on /mcp, for the refusals made before the MCP server reads."""
+    if is_anthropic_path(path):
+        body = anthropic_error_body(error)
+    elif path == MCP_PATH:
+        body = {"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": error.message}}
+    else:
+        body = error.body()
     return JSONResponse(body, status_code=error.status, headers=headers if headers is not None else error.headers)
+
+
+def _too_large(path: str, message: str) -> Response:
+    return _error_response(path, ApiError(413, message, code="request_too_large"))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return _error_response(request, exc)
+    return _error_response(request.url.path, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = "not_found" if exc.status_code == 404 else None
     error = ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code)
-    return _error_response(request, error, dict(exc.headers or {}))
+    return _error_response(request.url.path, error, dict(exc.headers or {}))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return _error_response(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+    error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+    return _error_response(request.url.path, error)

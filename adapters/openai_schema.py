@@ -27,7 +27,7 @@ MAX_STOPS = 4  # OpenAI's limit
 MAX_EMBED_INPUTS = 2048  # OpenAI's limit
 DEFAULT_MODEL_ALIAS = "default"  # accepted besides the loaded model's id
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 429: "rate_limit_error"}
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class ApiError(Exception):
@@ -97,14 +97,63 @@ class TextParams:
 # -- reading fields ----------------------------------------------------------------
 
 
+MAX_JSON_DEPTH = 100  # the deepest tool schemas nest a few dozen levels
+
+
 def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object (RFC 8259: UTF-8, no NaN or Infinity), or a 400
+    saying what is wrong with it. Depth is bounded, and every string must be
+    encodable text (an escaped lone surrogate is not), so nothing downstream fails on it."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark, which RFC 8259 lets parsers ignore
+    if not text.strip():
+        raise bad("the request body is empty: send a JSON object")
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
+        raise bad(f"the request body must be a JSON object, got {_json_type(body)}")
+    _check_tree(body)
     return body
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_tree(body: Any) -> None:
+    pending = [(body, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key)
+                pending.append((item, depth + 1))
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            _check_text(value)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"the request body holds an escaped lone surrogate (\\u{ord(text[e.start]):04x}), "
+                  "which is not text") from None
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def get_int(body: dict, name: str, default: int | None = None, lo: int | None = None,

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 from engine.profiles import PROFILE_NAMES
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MIN_BODY_BYTES = 1024  # smaller refuses ordinary requests
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,8 @@ class Settings:
     max_queued: int = 64
     interactive_reserve: int = 2
     log_level: str = "info"
+    # Largest HTTP request body, bytes (413 beyond): a 1M-token prompt is ~4 MiB of JSON.
+    max_body_bytes: int = 16 * 2**20
     # Session bank (engine/session_bank.py). Bytes; None: a default from the machine.
     session_ram_bytes: int | None = None  # None: 1/8 of physical memory (at most 32 GiB); 0: no bank
     session_disk_bytes: int | None = None  # None: 8 GiB or 1/4 of the free disk, the smaller; 0: RAM only
@@ -101,6 +104,8 @@ class Settings:
                f"profile: must be one of {', '.join(PROFILE_NAMES)}, got {self.profile!r}")
         _check(self.max_active >= 1, f"max_active: must be at least 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued: must not be negative, got {self.max_queued}")
+        _check(self.max_body_bytes >= MIN_BODY_BYTES,
+               f"max_body_bytes: must be at least {MIN_BODY_BYTES}, got {self.max_body_bytes}")
         _check(
             self.interactive_reserve >= 0,
             f"interactive_reserve: must not be negative, got {self.interactive_reserve}",
@@ -158,6 +163,7 @@ _KINDS = {
     "max_queued": "int",
     "interactive_reserve": "int",
     "log_level": "str",
+    "max_body_bytes": "int",
     "session_ram_bytes": "int?",
     "session_disk_bytes": "int?",
     "session_write_delay_ms": "int",

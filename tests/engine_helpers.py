@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from engine.bench_rows import few_rows_switch
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
 from engine.sampling import SamplerSettings
 from tests.checkpoints import FAMILIES, write
+from tests.floats import EPS32, LONG_PATHS_ULPS, assert_close, excess, record
 
 BACKEND_MODULES = {
     "mimo": "engine.backends.mimo",
@@ -54,6 +56,44 @@ def greedy(**kwargs) -> SamplerSettings:
     return SamplerSettings(temperature=0.0, **kwargs)
 
 
+def assert_greedy_agree(backend, prompt: list[int], ar: list[int], mtp: list[int]) -> None:
+    """Greedy MTP equals greedy AR token for token, except after a near-tie.
+
+    MTP's verify forward (K+1 positions at once, over a cache built by such forwards)
+    and AR's one-position forwards compute the same logits along different paths, so
+    they differ by up to one LONG_PATHS_ULPS bound each: where the top two logits are
+    closer than twice that, the two argmaxes may differ, and from there on the texts
+    part. That is all exact decoding can promise under every BLAS kernel; this asserts it.
+    """
+    assert len(ar) == len(mtp)
+    for i, (a, b) in enumerate(zip(ar, mtp)):
+        if a != b:
+            logits, _ = backend.forward(mx.array([prompt + ar[:i]]), backend.make_cache())
+            last = np.array(logits[0, -1], dtype=np.float64)
+            top = np.sort(last)[-2:]
+            near_tie = 2 * LONG_PATHS_ULPS * EPS32 * float(np.abs(last).max())
+            assert top[1] - top[0] <= near_tie, (
+                f"MTP diverged from AR at token {i}: top-2 gap {top[1] - top[0]:.3g} > near-tie {near_tie:.3g}")
+            return
+
+
+def assert_served_greedy_agree(model: Path, prompt: str, ar_text: str, mtp_text: str, max_tokens: int,
+                               depth: int) -> None:
+    """Greedy completions served over HTTP in AR and MTP mode: the same text, or else the
+    engine in this process (same machine, same kernels) parts at the same place, after a
+    near-tie (assert_greedy_agree). A difference the engine does not reproduce fails."""
+    if ar_text == mtp_text:
+        return
+    from engine.prompts import completion_prompt_ids
+
+    engine_ = Engine.load(model)
+    ids = completion_prompt_ids(engine_.tokenizer, prompt)
+    ar, _, _ = run(engine_, ids, mode="ar", sampler=greedy(), max_tokens=max_tokens)
+    mtp, _, _ = run(engine_, ids, mode="mtp", depth=depth, sampler=greedy(), max_tokens=max_tokens)
+    assert ar != mtp, f"served texts differ but the engine's do not: {ar_text!r} / {mtp_text!r}"
+    assert_greedy_agree(engine_.backend, ids, ar, mtp)
+
+
 def cache_arrays(cache) -> list[np.ndarray]:
     """The meaningful contents of one cache: KV up to offset, recurrent arrays."""
     if isinstance(cache, ArraysCache):
@@ -65,13 +105,47 @@ def cache_arrays(cache) -> list[np.ndarray]:
     return [np.array(a) for a in cache.state if isinstance(a, mx.array)]
 
 
-def max_cache_diff(a: list, b: list) -> float:
+def _cache_pairs(a: list, b: list):
+    for layer, (ca, cb) in enumerate(zip(a, b, strict=True)):
+        for i, (x, y) in enumerate(zip(cache_arrays(ca), cache_arrays(cb), strict=True)):
+            yield f"layer {layer} array {i}", x, y
+
+
+def assert_caches_close(got: list, want: list, ulps: float, what: str = "cache") -> None:
+    """Every array of every layer within `ulps` float32 epsilons of its own largest
+    value (keys, values, conv windows and recurrent states differ in scale)."""
+    for where, x, y in _cache_pairs(got, want):
+        assert_close(x, y, ulps, what, where=where)
+
+
+def caches_excess(got: list, want: list, ulps: float, what: str = "") -> float:
+    """The worst array's difference as a multiple of its bound (negative controls);
+    arrays of different shapes (a cache one position longer) count as infinitely far."""
     worst = 0.0
-    for ca, cb in zip(a, b, strict=True):
-        for x, y in zip(cache_arrays(ca), cache_arrays(cb), strict=True):
-            assert x.shape == y.shape, (x.shape, y.shape)
-            worst = max(worst, float(np.abs(x - y).max()) if x.size else 0.0)
+    for _, x, y in _cache_pairs(got, want):
+        worst = max(worst, excess(x, y, ulps) if x.shape == y.shape else float("inf"))
+    if what:
+        record(what, ulps, worst, control=True)
     return worst
+
+
+# -- the BLAS shim's few-row kernels (tests/conftest.py: --few-rows-kernel) ------------
+
+KERNELS = {"widest": 1, "avx2": 2, "off": 0}  # the shim's mtplxd_few_rows argument
+_chosen = KERNELS["widest"]
+
+
+def choose_kernel(name: str) -> None:
+    """This run's kernel; tests that switch kernels restore it with restore_kernel()."""
+    global _chosen
+    _chosen = KERNELS[name]
+    restore_kernel()
+
+
+def restore_kernel() -> None:
+    switch = few_rows_switch()
+    if switch is not None:
+        switch(_chosen)
 
 
 def feed_one_by_one(backend, tokens: list[int]) -> tuple[list, list[mx.array]]:

@@ -21,13 +21,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 from engine.backends import mimo
 from engine.backends.decode_ops import FIRST_SIZE, RopeTable, apply_rope, cpu_attention, grouped_mask, swiglu
 from engine.blas import ensure_fast_blas
-from tests.engine_helpers import available_families, load_family
-
-TOLERANCE = 1e-4
-
-
-def close(a: mx.array, b: mx.array) -> float:
-    return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+from tests.engine_helpers import available_families, load_family, restore_kernel
+from tests.floats import DOT_ULPS, FEW_OPS_ULPS, PATHS_ULPS, assert_close, excess
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +38,11 @@ def test_trunk_matches_mlx_lm_in_prefill_and_decode_steps(backend):
     for tokens in (prompt, mx.array([[7]]), mx.array([[8, 9, 10, 11]]), mx.array([[12]])):
         logits, _ = backend.forward(tokens, ours)
         reference = backend.trunk(tokens, cache=theirs)
-        assert close(logits, reference) < TOLERANCE
+        assert_close(logits, reference, PATHS_ULPS, "logits")
     for a, b in zip(ours, theirs):
         assert a.offset == b.offset
-        assert close(a.state[0], b.state[0]) < TOLERANCE and close(a.state[1], b.state[1]) < TOLERANCE
+        assert_close(a.state[0], b.state[0], PATHS_ULPS, "keys")
+        assert_close(a.state[1], b.state[1], PATHS_ULPS, "values")
 
 
 def test_heads_match_the_module_forward(backend):
@@ -58,8 +54,8 @@ def test_heads_match_the_module_forward(backend):
         tokens = mx.arange(length)[None] + 5
         logits, h = backend.head(0, hidden, tokens, cache_a)
         reference = head(hidden, embed(tokens), cache_b)
-        assert close(h, reference) < TOLERANCE
-        assert close(logits, backend._lm_head(reference)) < TOLERANCE
+        assert_close(h, reference, PATHS_ULPS, "head hidden")
+        assert_close(logits, backend._lm_head(reference), PATHS_ULPS, "head logits")
 
 
 def test_compiled_blocks_see_weight_changes(tmp_path):
@@ -71,7 +67,7 @@ def test_compiled_blocks_see_weight_changes(tmp_path):
     layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 3.0
     logits, _ = backend.forward(step, backend.make_cache())
     reference = backend.trunk(step, cache=backend.make_cache())
-    assert close(logits, reference) < TOLERANCE
+    assert_close(logits, reference, PATHS_ULPS, "logits")
 
 
 @pytest.mark.parametrize("scaling", [None, {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -87,7 +83,7 @@ def test_rope_table_equals_the_rope_module(scaling):
     # offsets inside the first table and across the first doubling
     for offset in (0, 17, FIRST_SIZE - 2, FIRST_SIZE + 100):
         expected = rope(x, offset=offset)
-        assert close(apply_rope(x, *table.slices(offset, 5)), expected) < 1e-4
+        assert_close(apply_rope(x, *table.slices(offset, 5)), expected, FEW_OPS_ULPS, "rotated")
     assert table.cos.shape[0] == 2 * FIRST_SIZE
 
 
@@ -99,12 +95,12 @@ def test_interleaved_rope_is_not_tabulated(tmp_path):
 
 @pytest.fixture
 def few_rows_kernel():
-    """The shim's switch for its few-row kernel (restored on)."""
+    """The shim's switch for its few-row kernel (restored to this run's choice)."""
     if ensure_fast_blas().library != "openblas" or ensure_fast_blas().path is None:
         pytest.skip("the shim serves OpenBLAS on Linux only")
     switch = ctypes.CDLL(ensure_fast_blas().path).mtplxd_few_rows
     yield switch
-    switch(1)
+    restore_kernel()
 
 
 @pytest.mark.parametrize("kernel", [1, 2], ids=["widest", "avx2"])
@@ -128,10 +124,10 @@ def test_few_row_products_of_the_blas_shim(few_rows_kernel, kernel, rows, n, k):
                 mx.addmm(mx.ones((rows, n)), xs, w.T, alpha=2.0, beta=0.5) - 0.5]
     expected_all = [expected] * 4 + [2 * expected]
     for product, want in zip(products, expected_all):
-        assert np.abs(np.array(product) - want).max() < 2e-3
+        assert_close(product, want, DOT_ULPS, "against float64")
     few_rows_kernel(0)
     with_sgemm = np.array(xs @ w.T)
-    assert np.abs(np.array(products[0]) - with_sgemm).max() < 2e-3
+    assert_close(products[0], with_sgemm, DOT_ULPS, "against sgemm")
 
 
 def test_greedy_verification_is_the_exact_rule_on_one_hot_distributions():
@@ -160,7 +156,7 @@ def test_swiglu_equals_the_library_activation():
     x = mx.random.normal(gate.shape, key=mx.random.key(2))
     ours, library = swiglu(gate, x), mx.compile(lambda g, u: nn.silu(g) * u)(gate, x)
     assert not mx.isnan(ours).any()
-    assert close(ours, library) <= 1e-6 * (1 + float(mx.abs(library).max()))
+    assert_close(ours, library, FEW_OPS_ULPS, "silu")
 
 
 @pytest.mark.parametrize("heads,kv_heads,length", [(3, 1, 1), (3, 1, 4), (4, 2, 3), (4, 4, 2)])
@@ -172,9 +168,9 @@ def test_cpu_attention_equals_the_library_kernel(heads, kv_heads, length):
     v = mx.random.normal((1, kv_heads, cached + length, 16), key=keys[2])
     mask = grouped_mask(create_causal_mask(length, cached) if length > 1 else None, heads // kv_heads)
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal" if length > 1 else None)
-    assert close(cpu_attention(q * 0.25, k, v, mask), expected) < 1e-5
+    assert_close(cpu_attention(q * 0.25, k, v, mask), expected, DOT_ULPS, "attention")
     if length > 1:  # the mask matters: without it the result differs
-        assert close(cpu_attention(q * 0.25, k, v, None), expected) > 1e-3
+        assert excess(cpu_attention(q * 0.25, k, v, None), expected, DOT_ULPS, "unmasked attention") > 1
 
 
 @pytest.mark.parametrize("family", available_families())
@@ -186,7 +182,7 @@ def test_heads_give_the_last_logits_alone(tmp_path, family):
     every, _ = backend.head(0, hidden[:, :-1], prompt[:, 1:], backend.make_head_caches()[0])
     last, _ = backend.head(0, hidden[:, :-1], prompt[:, 1:], backend.make_head_caches()[0], last=True)
     assert last.shape[1] == 1
-    assert close(last, every[:, -1:]) < TOLERANCE
+    assert_close(last, every[:, -1:], PATHS_ULPS, "last logits")
 
 
 @pytest.mark.parametrize("given,kept", [(None, "4"), ("12", "12")])

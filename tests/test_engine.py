@@ -5,29 +5,24 @@ from __future__ import annotations
 
 import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from engine.generation import GenerationRequest
 from engine.sampling import SamplerSettings
 from tests.engine_helpers import (
+    assert_caches_close,
+    assert_greedy_agree,
     available_families,
+    caches_excess,
     feed_one_by_one,
     greedy,
     load_family,
-    max_cache_diff,
     reference_head_caches,
     run,
 )
+from tests.floats import LONG_PATHS_ULPS, PATHS_ULPS
 
 PROMPT = [10, 11, 12, 43, 12, 46, 30, 47, 48, 8]
-NEAR_TIE = 1e-3  # top-2 logit gap under which a K+1-row forward may round differently
-
-
-def top2_gap(backend, tokens: list[int]) -> float:
-    logits, _ = backend.forward(mx.array([tokens]), backend.make_cache())
-    top = np.sort(np.array(logits[0, -1], dtype=np.float32))[-2:]
-    return float(top[1] - top[0])
 
 
 @pytest.mark.parametrize("family", available_families())
@@ -38,11 +33,7 @@ def test_greedy_mtp_equals_ar(tmp_path, family, depth):
     mtp, _, results = run(engine_, PROMPT, mode="mtp", depth=depth, sampler=greedy(), max_tokens=72)
     assert len(ar) == len(mtp) == 72
     assert sum(r.drafted for r in results) > 0
-    for i, (a, b) in enumerate(zip(ar, mtp)):
-        if a != b:  # only a documented near-tie may differ, and then the paths split
-            gap = top2_gap(engine_.backend, PROMPT + ar[:i])
-            assert gap < NEAR_TIE, f"MTP diverged from AR at token {i} with top-2 gap {gap}"
-            break
+    assert_greedy_agree(engine_.backend, PROMPT, ar, mtp)
 
 
 @pytest.mark.parametrize("family", available_families())
@@ -59,11 +50,12 @@ def test_caches_match_one_by_one_after_partial_acceptance(tmp_path, family, head
     assert partial > 0, "the run never rejected a draft: nothing was rolled back"
     fed = gen.tokens[: gen._fed]
     ref_cache, ref_hidden = feed_one_by_one(backend, fed)
-    assert max_cache_diff(gen.cache, ref_cache) <= 1e-5
+    assert_caches_close(gen.cache, ref_cache, LONG_PATHS_ULPS, "trunk cache")
     offsets = [c.offset for c in gen.head_caches]
     assert offsets[0] > len(PROMPT)  # the heads kept up with generated tokens
     ref_heads = reference_head_caches(backend, gen.tokens, ref_hidden, offsets)
-    assert max_cache_diff(gen.head_caches, ref_heads) <= 1e-5
+    assert_caches_close(gen.head_caches, ref_heads, LONG_PATHS_ULPS, "head caches")
+    assert_broken_rollbacks_fail(backend, gen, fed, ref_hidden, offsets, LONG_PATHS_ULPS)
 
 
 @pytest.mark.parametrize("family", available_families())
@@ -82,7 +74,25 @@ def test_heads_take_in_the_prompt_during_prefill(tmp_path, family):
         assert [c.offset for c in gen.head_caches] == expected[:used]
     _, ref_hidden = feed_one_by_one(backend, prompt)
     ref_heads = reference_head_caches(backend, gen.tokens, ref_hidden, expected[:used])
-    assert max_cache_diff(gen.head_caches, ref_heads) <= 1e-5
+    assert_caches_close(gen.head_caches, ref_heads, PATHS_ULPS, "head caches")
+    wrong = list(gen.tokens)
+    wrong[expected[0]] += 1  # head 0's last position read another token
+    wrong_heads = reference_head_caches(backend, wrong, ref_hidden, expected[:used])
+    assert caches_excess(gen.head_caches, wrong_heads, PATHS_ULPS, "heads: another token") > 1
+
+
+def assert_broken_rollbacks_fail(backend, gen, fed, ref_hidden, offsets, ulps):
+    """Negative controls: the comparison above must catch what a faulty rollback leaves,
+    a cache that kept one rejected draft position, or whose last position holds another
+    token (a perturbed state), in the trunk and in the heads."""
+    one_too_many, _ = feed_one_by_one(backend, fed + [(fed[-1] + 1) % backend.vocab_size])
+    assert caches_excess(gen.cache, one_too_many, ulps, "trunk: a kept draft") > 1
+    other_last, _ = feed_one_by_one(backend, fed[:-1] + [(fed[-1] + 1) % backend.vocab_size])
+    assert caches_excess(gen.cache, other_last, ulps, "trunk: another last token") > 1
+    wrong = list(gen.tokens)
+    wrong[offsets[0]] = (wrong[offsets[0]] + 1) % backend.vocab_size
+    wrong_heads = reference_head_caches(backend, wrong, ref_hidden, offsets)
+    assert caches_excess(gen.head_caches, wrong_heads, ulps, "heads: another last token") > 1
 
 
 def test_abandoned_generations_release_memory(tmp_path):

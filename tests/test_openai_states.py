@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import anyio
 import httpx
@@ -21,6 +20,7 @@ import uvicorn
 import engine  # noqa: F401  (BLAS before mlx)
 from adapters.openai import create_app
 from engine.engine import Engine
+from mtplxd.config import Settings
 from mtplxd.scheduler import Scheduler, SchedulerLimits
 from tests.checkpoints import write
 from tests.test_openai import CHAT, EMBEDDINGS, HI, LONG_CHAT, OK, health, wait_idle
@@ -34,7 +34,7 @@ def checkpoint(tmp_path_factory):
 class LiveServer:
     """uvicorn + a real Scheduler in a background thread, on a free loopback port."""
 
-    def __init__(self, scheduler: Scheduler, settings=SimpleNamespace(api_key=None, depth=2)):
+    def __init__(self, scheduler: Scheduler, settings=Settings(depth=2)):
         self.scheduler = scheduler
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))

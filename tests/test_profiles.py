@@ -138,6 +138,7 @@ def test_bench_report_becomes_a_calibration(mimo_folder):
         runs = [r for r in result["runs"] if r["temperature"] == t]
         ar = next(r["decode_tok_s"] for r in runs if r["mode"] == "ar")
         for r in (r for r in runs if r["mode"] == "mtp"):
+            # float64 arithmetic; the calibration keeps ratios to three decimals
             assert cal.speedups[key][r["depth"]] == pytest.approx(r["decode_tok_s"] / ar, abs=1e-3)
     assert set(cal.speedups["t0"]) == {1, 2}
 
@@ -166,6 +167,7 @@ def test_cycle_model_adds_a_cycles_parts():
     for k in (1, 2, 3):
         parts |= {f"filter_{k + 1}": 0.2 * (k + 1), f"verify_sampled_{k}": 0.3, f"verify_greedy_{k}": 0.1}
     by = {(b["temperature"], b["depth"]): b for b in bench_cycle.bounds(parts, target=1.8)}
+    # float64 sums of these milliseconds, rounded by bounds() to 3 decimals (2 for the ratios)
     sampled = by[(0.6, 2)]  # window 4.0, two drafts 2 x 1.4, filter of 3 rows 0.6, verify 0.3
     assert sampled["cycle_ms"] == pytest.approx(7.7) and sampled["ar_token_ms"] == pytest.approx(3.4)
     assert sampled["best_speedup"] == pytest.approx(3 * 3.4 / 7.7, abs=0.01)
