@@ -86,6 +86,14 @@ class Settings:
     log_level: str = "info"
     # Largest HTTP request body, bytes (413 beyond): a 1M-token prompt is ~4 MiB of JSON.
     max_body_bytes: int = 16 * 2**20
+    # Who may reach the HTTP API (adapters/http_guard.py). Host names clients use besides
+    # loopback and the bound address; browser origins besides loopback ones (a web UI
+    # served elsewhere), e.g. "https://chat.example.org".
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    # Folders MCP tools may read and warm besides those the client declares as roots and
+    # those editors open over LSP (adapters/mcp_paths.py).
+    workspaces: tuple[str, ...] = ()
     # Session bank (engine/session_bank.py). Bytes; None: a default from the machine.
     session_ram_bytes: int | None = None  # None: 1/8 of physical memory (at most 32 GiB); 0: no bank
     session_disk_bytes: int | None = None  # None: 8 GiB or 1/4 of the free disk, the smaller; 0: RAM only
@@ -164,6 +172,9 @@ _KINDS = {
     "interactive_reserve": "int",
     "log_level": "str",
     "max_body_bytes": "int",
+    "allowed_hosts": "list",
+    "allowed_origins": "list",
+    "workspaces": "list",
     "session_ram_bytes": "int?",
     "session_disk_bytes": "int?",
     "session_write_delay_ms": "int",
@@ -245,6 +256,11 @@ def _coerce(name: str, value: Any, source: str, strict: bool = False) -> Any:
     """Turn a raw value into the field's type. `strict` (TOML) refuses strings for numbers,
     since the file has real types; the environment and flags only have strings."""
     kind = _KINDS[name].rstrip("?")
+    if kind == "list":  # a TOML array of strings, or a comma-separated environment variable
+        items = value.split(",") if isinstance(value, str) and not strict else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+            raise ConfigError(f"{source}: {name}: expected a list of strings, got {value!r}")
+        return tuple(i.strip() for i in items if i.strip())
     if kind == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
