@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 LOCK   := requirements.lock
 UV_VERSION := 0.13.9
 
-.PHONY: install lock start test test-slow test-kernels doctor clean
+.PHONY: install lock start test test-slow test-kernels test-reliability doctor clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The reliability suite at full size (docs/reliability.md): a 90-second soak.
+test-reliability: install
+	$(BIN)/python -m pytest -q -s tests/reliability --soak-seconds 90
 
 # The engine tests under every BLAS kernel choice (scripts/kernel_matrix.py): the shim's
 # AVX-512 / AVX2 / no few-row kernel, OpenBLAS on 1 and 2 threads, OPENBLAS_CORETYPE

@@ -38,6 +38,7 @@ IMAGE_OMITTED = "[image omitted: this model reads text only]"
 MIN_THINKING_BUDGET = 1024  # the hosted API's lower bound
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                415: "invalid_request_error", 421: "invalid_request_error",
                 429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
 
 

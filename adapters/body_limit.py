@@ -14,8 +14,8 @@ from typing import Any, Callable
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-# path, message -> the route's own error response (OpenAI, Anthropic or JSON-RPC form)
-Refusal = Callable[[str, str], Response]
+# path, status, message, code -> the route's own error response (OpenAI, Anthropic or JSON-RPC form)
+Refusal = Callable[[str, int, str, str], Response]
 
 
 class BodyLimit:
@@ -49,7 +49,7 @@ class BodyLimit:
     async def _too_large(self, scope: dict, receive: Any, send: Any, what: str) -> None:
         message = (f"the request body {what}, over the limit of {self.max_bytes:,} bytes "
                    "(the max_body_bytes setting)")
-        await self.refuse(scope["path"], message)(scope, receive, send)
+        await self.refuse(scope["path"], 413, message, "request_too_large")(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Any) -> Any:

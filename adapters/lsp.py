@@ -95,6 +95,7 @@ class CompletionServer(LanguageServer):
         self._register(types.TEXT_DOCUMENT_DID_CHANGE, self._did_change)
         self._register(types.TEXT_DOCUMENT_DID_CLOSE, self._did_close)
         self._register(types.WORKSPACE_DID_CHANGE_CONFIGURATION, self._did_change_configuration)
+        self._register(types.WORKSPACE_DID_CHANGE_WORKSPACE_FOLDERS, self._did_change_folders)
         self.command(STATUS_COMMAND)(lambda *args: self._status(*args))
 
     def _register(self, name: str, method: Any, options: Any = None) -> None:
@@ -111,6 +112,7 @@ class CompletionServer(LanguageServer):
 
     def _initialize(self, params: types.InitializeParams) -> None:
         self._apply_settings(Options(), params.initialization_options)
+        self._open_folders([params.root_uri, *(f.uri for f in params.workspace_folders or ())])
         text = params.capabilities.text_document
         has_inline = text is not None and text.inline_completion is not None
         item = text.completion.completion_item if text is not None and text.completion is not None else None
@@ -126,6 +128,16 @@ class CompletionServer(LanguageServer):
             if types.TEXT_DOCUMENT_COMPLETION not in features:
                 options = types.CompletionOptions(trigger_characters=TRIGGER_CHARACTERS, resolve_provider=False)
                 self._register(types.TEXT_DOCUMENT_COMPLETION, self._completion, options)
+
+    def _did_change_folders(self, params: types.DidChangeWorkspaceFoldersParams) -> None:
+        self._open_folders([f.uri for f in params.event.added])
+
+    def _open_folders(self, uris: list[str | None]) -> None:
+        """Tell the daemon's registry which folders this editor opened: MCP tools may use them."""
+        registry = getattr(self.scheduler, "workspaces", None)  # None: a daemon without one (tests)
+        paths = [uri_path(uri) for uri in uris if uri]
+        for path in filter(None, paths if registry is not None else ()):
+            registry.open_in_editor(path)
 
     def _did_change_configuration(self, params: types.DidChangeConfigurationParams) -> None:
         self._apply_settings(self.options, params.settings)

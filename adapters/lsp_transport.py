@@ -6,6 +6,13 @@ Messages are framed as the LSP says (Content-Length headers). The read loop is
 ours rather than pygls' so that a request whose params do not match the LSP types
 (a negative position, a missing field) is answered with a JSON-RPC error instead
 of being dropped, and so that a connection ending never ends the process.
+
+Hostile framing is answered in JSON-RPC's own form, framed like any other message:
+a Content-Length that is not a byte count, or none at all, loses track of where the
+next message starts, so one -32700 error (id null) is sent and the connection closed;
+a Content-Length over MAX_MESSAGE_BYTES still says where the next message starts, so
+that many bytes are skipped (never held in memory), -32600 is sent and the connection
+goes on serving.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ from mtplxd.lsp_bridge import LSP_SOCKET
 log = logging.getLogger("mtplxd.lsp")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SKIP_CHUNK_BYTES = 1024 * 1024  # an oversized body is read and dropped this much at a time
+MAX_COUNT_DIGITS = 18
+
+
+class FramingLost(Exception):
+    """The headers of a message do not say where it ends; str(e) names the bad header."""
 
 
 async def serve_lsp(scheduler: Any, settings: Any) -> None:
@@ -69,9 +82,17 @@ async def serve_connection(server: CompletionServer, reader: asyncio.StreamReade
     server.protocol.set_writer(writer)
     try:
         while not server.closed:
-            length = await _read_headers(reader)
+            try:
+                length = await _read_headers(reader)
+            except FramingLost as e:
+                log.warning("LSP: %s; closing the connection", e)
+                _error(server, None, -32700, f"Parse error: {e}; closing the connection")
+                break  # the transport sends what it holds before it closes
             if length is None:
                 break
+            if length > MAX_MESSAGE_BYTES:
+                await _skip(server, reader, length)
+                continue
             dispatch(server, await reader.readexactly(length))
             # Let a request's handler take its document snapshot before the next message
             # (perhaps an edit) is applied: a request sees the text it was sent against.
@@ -81,8 +102,10 @@ async def serve_connection(server: CompletionServer, reader: asyncio.StreamReade
 
 
 async def _read_headers(reader: asyncio.StreamReader) -> int | None:
-    """The Content-Length of the next message; None at the end of the stream."""
+    """The Content-Length of the next message (perhaps over MAX_MESSAGE_BYTES); None at the
+    end of the stream. FramingLost when it is not a byte count, or the headers have none."""
     length = None
+    headers = False  # a header line of this message was read
     while True:
         line = await reader.readline()
         if not line:
@@ -90,12 +113,31 @@ async def _read_headers(reader: asyncio.StreamReader) -> int | None:
         if not line.strip():
             if length is not None:
                 return length
+            if headers:
+                raise FramingLost("headers without a Content-Length header")
             continue  # stray blank line between messages
+        headers = True
         name, _, value = line.decode("ascii", "replace").partition(":")
         if name.strip().lower() == "content-length":
-            length = int(value.strip()) if value.strip().isdigit() else None
-            if length is None or length > MAX_MESSAGE_BYTES:
-                raise ConnectionError(f"bad Content-Length header {line!r}")
+            count = value.strip()
+            # More digits than any stream carries bytes: int() would refuse the longest ones.
+            if not count.isdigit() or len(count) > MAX_COUNT_DIGITS:
+                shown = line.decode("ascii", "replace").strip()[:80]
+                raise FramingLost(f"bad header {shown!r}: Content-Length must be a byte count")
+            length = int(count)
+
+
+async def _skip(server: CompletionServer, reader: asyncio.StreamReader, length: int) -> None:
+    """Drop an oversized body a chunk at a time (the framing still holds), then say why."""
+    left = length
+    while left > 0:
+        chunk = await reader.read(min(left, SKIP_CHUNK_BYTES))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", left)
+        left -= len(chunk)
+    log.warning("LSP: skipped a message of %d bytes (limit %d)", length, MAX_MESSAGE_BYTES)
+    _error(server, None, -32600,
+           f"Invalid Request: a message of {length} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes")
 
 
 def dispatch(server: CompletionServer, body: bytes) -> None:

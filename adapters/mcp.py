@@ -37,7 +37,12 @@ goes away) cancels the tool's task, whose `finally` cancels the scheduler
 ticket: the job leaves the queue before the engine's next step.
 
 Workspaces. A workspace is an existing absolute folder, normalized as every
-adapter does (mtplxd/workspaces.py); it becomes TextRequest.workspace, the
+adapter does (mtplxd/workspaces.py). A call may use only one the user allowed:
+inside a root the MCP client declared, a folder an editor opened over LSP, or a
+folder of the `workspaces` setting; anything else is a tool error saying how to
+allow it (`WorkspaceGuard`, adapters/mcp_paths.py: the server's lifespan hands
+it to the tools' roots resolvers, and a middleware forgets a session's roots on
+notifications/roots/list_changed). It becomes TextRequest.workspace, the
 session-bank namespace, so each project restores its own cached prefixes
 (`usage.cached_tokens`) and the daemon watches it for changed files.
 `warm_workspace` queues the same background warm-ups (WarmRequest) as that
@@ -63,18 +68,18 @@ from mcp.server.transport_security import TransportSecuritySettings
 from starlette.applications import Starlette
 
 import engine  # noqa: F401  (BLAS before mlx)
+from adapters.http_guard import LOOPBACK_NAMES, host_names
 from adapters.mcp_figures import Figures
+from adapters.mcp_paths import WorkspaceGuard
 from adapters.mcp_resources import register_prompts, register_resources
 from adapters.mcp_schema import Outcome, generation_fields
 from adapters.mcp_tools import register_tools
 from adapters.openai_schema import ModelInfo
-from mtplxd.config import is_loopback
 from mtplxd.jobs import Done, Failed, MTPStats, TextDelta, TextRequest, WarmRequest
 from mtplxd.scheduler import NotReady, QueueFull
 
 MCP_PATH = "/mcp"
 SERVER_NAME = "mtplxd"
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # binds on every address: no one name for the Host check
 
 # The bounds of a call, read from this module at each call (never copied into the others).
 CALL_BUDGET_S = 50.0  # a whole tool call, model wait included: agents time out at 60 s
@@ -95,6 +100,7 @@ class McpAdapter:
     def __init__(self, scheduler: Any, settings: Any, metrics: Any = None):
         self.scheduler = scheduler
         self.figures = Figures(scheduler, settings, metrics)
+        self.workspaces = WorkspaceGuard(settings, scheduler)
         self._background: anyio.abc.TaskGroup | None = None
         self.server = build_server(self)
 
@@ -216,8 +222,13 @@ async def _progress(ctx: Context, progress: float, total: float | None, message:
 
 def build_server(adapter: McpAdapter) -> MCPServer:
     """The one MCPServer: every tool, resource and prompt, defined once."""
+    @contextlib.asynccontextmanager
+    async def lifespan(_: MCPServer) -> AsyncIterator[WorkspaceGuard]:
+        yield adapter.workspaces  # each request's lifespan_context: what the roots resolvers read
+
     server = MCPServer(SERVER_NAME, title="mtplxd: local MLX model", version=_version(),
-                       instructions=INSTRUCTIONS)
+                       instructions=INSTRUCTIONS, lifespan=lifespan)
+    server.middleware.append(adapter.workspaces.forget_changed_roots)
     register_tools(server, adapter)
     register_resources(server, adapter.figures)
     register_prompts(server)
@@ -236,21 +247,17 @@ def _version() -> str:
 # -- mounting in the daemon's app -----------------------------------------------------------
 
 
-def transport_security(host: str) -> TransportSecuritySettings:
-    """DNS-rebinding protection: the Host header must name loopback or the configured
-    address, and a browser's Origin likewise. A wildcard bind (0.0.0.0, ::) cannot list
-    the names clients use, and needs an API key (Settings enforces it), which a
-    rebinding page cannot send: there the Host check is off and the key protects."""
-    if host in WILDCARD_HOSTS:
+def transport_security(settings: Any) -> TransportSecuritySettings:
+    """The SDK's own DNS-rebinding check, with the names and origins of the app's
+    (adapters/http_guard.py, which already checked every request): a second line."""
+    hosts = host_names(settings)
+    if not hosts:  # a wildcard bind without allowed_hosts: the API key protects
         return TransportSecuritySettings(enable_dns_rebinding_protection=False)
-    hosts = ["127.0.0.1", "localhost", "[::1]"]
-    if not is_loopback(host):
-        hosts.append(f"[{host}]" if ":" in host else host)
-    origins = [f"{scheme}://{h}" for h in hosts for scheme in ("http", "https")]
+    origins = [f"{scheme}://{h}" for h in LOOPBACK_NAMES for scheme in ("http", "https")]
     return TransportSecuritySettings(
         enable_dns_rebinding_protection=True,
         allowed_hosts=hosts + [f"{h}:*" for h in hosts],
-        allowed_origins=origins + [f"{o}:*" for o in origins],
+        allowed_origins=origins + [f"{o}:*" for o in origins] + list(settings.allowed_origins),
     )
 
 
@@ -261,7 +268,7 @@ def mount(app: Starlette, scheduler: Any, settings: Any) -> McpAdapter:
     adapter = McpAdapter(scheduler, settings, getattr(app.state, "metrics", None))
     mcp_app = adapter.server.streamable_http_app(
         streamable_http_path=MCP_PATH,
-        transport_security=transport_security(getattr(settings, "host", "127.0.0.1")),
+        transport_security=transport_security(settings),
     )
     app.router.routes.extend(mcp_app.routes)  # one Route at /mcp
     previous = app.router.lifespan_context

@@ -2,8 +2,10 @@
 
 Each generating tool builds its prompt, turns it into one normal-priority
 TextRequest in the call's workspace and runs it through the adapter (model wait,
-progress, time budget, cancellation: adapters/mcp.py). Paths and files come from
-adapters/mcp_paths.py, argument types and outputs from adapters/mcp_schema.py.
+progress, time budget, cancellation: adapters/mcp.py). Which workspaces a call may
+use, and the files in them, come from adapters/mcp_paths.py (every tool that takes a
+workspace also takes `roots`, the client's declared roots, which the SDK fills in);
+argument types and outputs from adapters/mcp_schema.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
-from adapters.mcp_paths import language_of, read_text, recent_files, resolve_path, resolve_workspace, split_at_cursor
+from adapters.mcp_paths import (
+    ClientRoots, Folder, language_of, read_text, recent_files, resolve_path, split_at_cursor,
+)
 from adapters.mcp_schema import (
     DEFAULT_MAX_TOKENS, MAX_MESSAGES, MAX_PATH_CHARS, MAX_STOP_CHARS, MAX_STOPS, MAX_TEXT_CHARS, MAX_TOTAL_CHARS,
     ChatMessage, FimCompletion, Generation, MaxTokens, RequiredWorkspace, StatusResult, Temperature, WarmResult,
@@ -51,6 +55,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
     async def generate(
         prompt: Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS, description="the request")],
         ctx: Context,
+        roots: ClientRoots,
         system: Annotated[str | None, Field(max_length=MAX_TEXT_CHARS, description="system prompt")] = None,
         max_tokens: MaxTokens = None,
         temperature: Temperature = None,
@@ -63,7 +68,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         `system` as the system turn. Returns the text with usage, cached tokens, decode
         speed and MTP acceptance. Progress notifications carry the tokens so far."""
         deadline = adapter.deadline()
-        ws = resolve_workspace(workspace, required=False)
+        ws = _id(adapter.workspaces.use(workspace, roots, required=False))
         info = await adapter.ready(ctx, deadline)
         request = _request(info, _generate_ids(info, prompt, system), max_tokens, _sampler(info, temperature), ws,
                            stop=stop or ())
@@ -74,6 +79,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, description=(
             "the conversation, oldest first; the model writes the next assistant turn"))],
         ctx: Context,
+        roots: ClientRoots,
         max_tokens: MaxTokens = None,
         temperature: Temperature = None,
         workspace: Workspace = None,
@@ -83,7 +89,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         deadline = adapter.deadline()
         if sum(len(m.content) for m in messages) > MAX_TOTAL_CHARS:
             raise ToolError(f"the messages hold more than {MAX_TOTAL_CHARS} characters together")
-        ws = resolve_workspace(workspace, required=False)
+        ws = _id(adapter.workspaces.use(workspace, roots, required=False))
         info = await adapter.ready(ctx, deadline)
         ids = _ids(chat_prompt_ids, info.tokenizer, [m.model_dump() for m in messages])
         request = _request(info, ids, max_tokens, _sampler(info, temperature), ws)
@@ -93,6 +99,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
     async def fim_complete(
         workspace: RequiredWorkspace,
         ctx: Context,
+        roots: ClientRoots,
         path: Annotated[str | None, Field(max_length=MAX_PATH_CHARS, description=(
             "a file inside the workspace (relative to it, or absolute inside it); give `line` and "
             "`character` too"))] = None,
@@ -112,11 +119,12 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         (`line`, `character`, zero-based), or explicit `prefix` / `suffix`. Paths resolve inside
         the workspace only: `..`, absolute paths elsewhere and symlinks leading out are refused."""
         deadline = adapter.deadline()
-        ws = resolve_workspace(workspace, required=True)
-        before, after, shown = await _cursor_context(ws, path, line, character, prefix, suffix)
+        folder = adapter.workspaces.use(workspace, roots, required=True)
+        before, after, shown = await _cursor_context(folder, path, line, character, prefix, suffix)
         info = await adapter.ready(ctx, deadline)
         ids, heal = _fim_ids(info, before, after, max_tokens)
-        request = _request(info, ids, max_tokens, SamplerSettings(temperature=0.0), ws, continuation=True, heal=heal)
+        request = _request(info, ids, max_tokens, SamplerSettings(temperature=0.0), folder.id, continuation=True,
+                           heal=heal)
         return FimCompletion(**await adapter.run_text(ctx, request, info, deadline), path=shown,
                              line=line if shown else None, character=character if shown else None,
                              language=language_of(shown, language))
@@ -125,6 +133,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
     async def warm_workspace(
         workspace: RequiredWorkspace,
         ctx: Context,
+        roots: ClientRoots,
         paths: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]] | None, Field(
             max_length=MAX_WARM_PATHS, description=(
                 f"files inside the workspace to warm (default: the {WARM_DEFAULT_FILES} most recently "
@@ -137,12 +146,12 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         workspace start from them. Returns at once with what was queued. Paths resolve inside
         the workspace only."""
         deadline = adapter.deadline()
-        ws = resolve_workspace(workspace, required=True)
+        folder = adapter.workspaces.use(workspace, roots, required=True)
         if paths is None:
-            paths = await anyio.to_thread.run_sync(recent_files, ws, WARM_DEFAULT_FILES)
-        chosen = [(given, *resolve_path(ws, given)) for given in paths]  # any refusal fails the call
+            paths = await anyio.to_thread.run_sync(recent_files, folder.real, WARM_DEFAULT_FILES)
+        chosen = [(given, *resolve_path(folder, given)) for given in paths]  # any refusal fails the call
         info = await adapter.ready(ctx, deadline)
-        return await _queue_warmups(adapter, info, ws, chosen)
+        return await _queue_warmups(adapter, info, folder.id, chosen)
 
     @server.tool(title="Daemon status", annotations=READ_ONLY_IDEMPOTENT)
     async def status() -> StatusResult:
@@ -152,6 +161,11 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
 
 
 # -- prompts and requests ----------------------------------------------------------------
+
+
+def _id(folder: Folder | None) -> str | None:
+    """A request's workspace: the folder's id (None: the default namespace)."""
+    return folder.id if folder is not None else None
 
 
 def _built(build: Any, tokenizer: Any, *args: Any) -> Any:
@@ -223,7 +237,7 @@ def _request(info: ModelInfo, ids: list[int], max_tokens: int | None, sampler: S
 # -- files -------------------------------------------------------------------------------
 
 
-async def _cursor_context(workspace: str, path: str | None, line: int | None, character: int | None,
+async def _cursor_context(workspace: Folder, path: str | None, line: int | None, character: int | None,
                           prefix: str | None, suffix: str | None) -> tuple[str, str, str | None]:
     """(text before the cursor, text after it, the file relative to the workspace or None):
     from a file and a cursor, or from an explicit prefix / suffix."""

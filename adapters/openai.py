@@ -52,6 +52,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -62,6 +63,7 @@ import mlx.core as mx
 from adapters.anthropic import anthropic_routes, is_anthropic_path
 from adapters.anthropic_schema import error_body as anthropic_error_body
 from adapters.body_limit import BodyLimit
+from adapters.http_guard import HostOriginGuard, cors_options
 from adapters.metrics import CONTENT_TYPE, Metrics, RequestCounter
 from adapters.openai_chat import ChatReader, chat_message, parse_chat
 from adapters.openai_schema import (
@@ -95,10 +97,12 @@ def create_app(scheduler: Any, settings: Any) -> Starlette:
         *session_routes(scheduler),
         *anthropic_routes(api),
     ]
-    middleware = [  # outermost first: 401s and 413s are counted too
+    middleware = [  # outermost first: refusals are counted too; CORS preflights need no key
         Middleware(RequestCounter, metrics=metrics),
-        Middleware(_ApiKey, key=getattr(settings, "api_key", None)),
-        Middleware(BodyLimit, max_bytes=settings.max_body_bytes, refuse=_too_large),
+        Middleware(HostOriginGuard, settings=settings, refuse=_refuse),
+        Middleware(CORSMiddleware, **cors_options(settings)),
+        Middleware(_ApiKey, key=settings.api_key),
+        Middleware(BodyLimit, max_bytes=settings.max_body_bytes, refuse=_refuse),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
@@ -190,6 +194,9 @@ class _Api:
             body["decoding"] = planner.describe()
         if stats.state == "failed":
             body["error"] = self.scheduler.load_error
+        # What it serves degraded under and the user should fix (a full disk), one line each.
+        bank_warning = getattr(getattr(self.scheduler, "bank", None), "disk_warning", None)
+        body["warnings"] = [*getattr(self.scheduler, "warnings", ()), *([bank_warning] if bank_warning else [])]
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics_text(self, request: Request) -> Any:
@@ -287,8 +294,9 @@ def _error_response(path: str, error: ApiError, headers: dict[str, str] | None =
     return JSONResponse(body, status_code=error.status, headers=headers if headers is not None else error.headers)
 
 
-def _too_large(path: str, message: str) -> Response:
-    return _error_response(path, ApiError(413, message, code="request_too_large"))
+def _refuse(path: str, status: int, message: str, code: str) -> Response:
+    """A refusal by a middleware, before any route: in the route's own error form."""
+    return _error_response(path, ApiError(status, message, code=code))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -26,8 +26,9 @@ DEFAULT_MAX_TOKENS = 512
 MAX_STOPS = 4  # OpenAI's limit
 MAX_EMBED_INPUTS = 2048  # OpenAI's limit
 DEFAULT_MODEL_ALIAS = "default"  # accepted besides the loaded model's id
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class ApiError(Exception):

@@ -79,11 +79,14 @@ class SessionBank(DiskTier):
         self._ram_bytes = 0
         self._evictions_ram = self._evictions_disk = self._bad = self._writes = 0
         self._manifest_dirty = False
+        self._manifest_retry_at = float("-inf")  # after a failed manifest write: not before then
         self._touched = False
         self._doomed: list[str] = []  # files to delete once the manifest no longer lists them
         self._flushing = False
         self._closing = False
         self._writer: threading.Thread | None = None
+        # One line for /health while the disk tier is off or failing (a full disk); None when fine.
+        self.disk_warning: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -106,6 +109,7 @@ class SessionBank(DiskTier):
             try:
                 self._open_disk()
             except OSError as e:
+                self.disk_warning = f"session bank in RAM only: its disk folder is unavailable ({e.strerror or e})"
                 log.warning("session bank: disk tier unavailable (%s); RAM only", e)
                 self.folder, self.disk_budget = None, 0
         self._writer = threading.Thread(target=self._write_loop, name="mtplxd-session-writer", daemon=True)

@@ -17,7 +17,9 @@ it calls back the bank's `_drop` and `_victim`.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -28,6 +30,34 @@ from engine.session_state import FORMAT, Snapshot
 
 log = logging.getLogger("mtplxd.sessions")
 
+MANIFEST_RETRY_S = 5.0  # after a failed manifest write (a full disk) the next try waits this long
+
+# Below this much free space at start the disk tier stays off: what little room a nearly
+# full disk has left belongs to the user's own files (and to the daemon's small ones).
+MIN_FREE_BYTES = 64 << 20
+
+
+def full_disk_warning(root: Path) -> str | None:
+    """One line saying why the disk tier stays off when the disk of `root` (or of its
+    nearest existing parent) has less than MIN_FREE_BYTES free; None otherwise."""
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None  # cannot tell: the writes themselves will say (they fail softly)
+    free = st.f_bavail * st.f_frsize
+    if free >= MIN_FREE_BYTES:
+        return None
+    return (f"disk almost full ({free >> 10} KiB free on the disk of {root}, under {MIN_FREE_BYTES >> 20} MiB): "
+            f"the session bank keeps sessions in RAM only, lost on restart; free some space and restart mtplxd")
+
+
+def _write_warning(folder: Path, error: OSError) -> str:
+    return (f"session bank: cannot write to {folder} ({error.strerror or error}); "
+            f"new sessions stay in RAM only until a write succeeds")
+
 
 class DiskTier:
     def _drain(self, deadline: float) -> None:
@@ -35,7 +65,7 @@ class DiskTier:
         self._flushing = True
         self._cond.notify_all()
         while self._writer is not None and self._writer.is_alive() and (
-            self._pending_writes() or self._manifest_dirty or self._touched or self._doomed
+            self._pending_writes() or self._manifest_due(flushing=True)
         ):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -59,9 +89,7 @@ class DiskTier:
                 while True:
                     if self.folder is not None:
                         entry = self._next_write()
-                    if entry is not None or self._manifest_dirty or self._doomed or (
-                        self._touched and self._flushing
-                    ):
+                    if entry is not None or self._manifest_due(self._flushing):
                         break
                     if self._closing:
                         return
@@ -79,6 +107,12 @@ class DiskTier:
             with self._cond:
                 self._cond.notify_all()
 
+    def _manifest_due(self, flushing: bool) -> bool:
+        """A manifest to write now; not while a failed write waits out MANIFEST_RETRY_S
+        (on a full disk it would fail again at once, in a loop)."""
+        wanted = self._manifest_dirty or bool(self._doomed) or (self._touched and flushing)
+        return wanted and self._clock() >= self._manifest_retry_at
+
     def _next_write(self) -> Entry | None:
         if self._closing and not self._flushing:
             return None
@@ -90,6 +124,8 @@ class DiskTier:
 
     def _next_due_in(self) -> float | None:
         dues = [e.write_due for e in self._entries.values() if e.write_due is not None and not e.no_disk]
+        if self._manifest_dirty or self._doomed:  # a manifest waiting out its retry delay
+            dues.append(self._manifest_retry_at)
         if not dues:
             return None if not self._closing else 0.1
         return max(0.0, min(dues) - self._clock()) + 0.001
@@ -106,9 +142,10 @@ class DiskTier:
                     entry.write_due = None
                     entry.no_disk = True
             return
-        except OSError as e:
+        except OSError as e:  # a full disk: the entry stays in RAM (if it still fits), the daemon goes on
             log.warning("session file %s not written: %s", entry.name, e)
             with self._cond:
+                self.disk_warning = _write_warning(self.folder, e)
                 entry.writing, entry.write_due, entry.no_disk = False, None, True
                 if not entry.in_ram:
                     self._drop(entry)
@@ -120,6 +157,7 @@ class DiskTier:
                 self._doomed.append(entry.name)  # never listed: safe to delete at once
                 return
             self._writes += 1
+            self.disk_warning = None  # writes work (again)
             entry.file, entry.sha256, entry.file_bytes = True, sha, size
             if not entry.in_ram:
                 entry.snapshot = None
@@ -138,9 +176,12 @@ class DiskTier:
         except OSError as e:
             log.warning("session manifest not written: %s", e)
             with self._cond:
+                self.disk_warning = _write_warning(self.folder, e)
+                self._manifest_retry_at = self._clock() + MANIFEST_RETRY_S
                 self._manifest_dirty = True
                 self._doomed = doomed + self._doomed
             return
+        self._manifest_retry_at = float("-inf")
         for name in doomed:  # only now that no manifest lists them
             (self.folder / name).unlink(missing_ok=True)
 

@@ -170,11 +170,15 @@ def _print_status(report: dict) -> None:
         print(f"mtplxd is starting (pid {report['pid']}, state dir {report['state_dir']})")
         return
     print(f"mtplxd is running at {report['url']} (pid {report['pid']}, version {report.get('version')})")
+    for warning in report.get("warnings", []):  # degraded but serving (a full disk): say it first
+        print(f"  warning: {warning}")
     rows = [("state dir", report["state_dir"]), ("uptime", _duration(report.get("uptime_s")))]
     health = report.get("health")
     if health is None:
         rows.append(("health", "not answering"))
     for key, value in (health or {}).items():  # whatever /health reports, flattened one level
+        if key == "warnings":
+            continue  # printed above
         items = value.items() if isinstance(value, dict) else [(None, value)]
         rows += [(f"{key}.{sub}" if sub else key, _show(v)) for sub, v in items]
     width = max(len(k) for k, _ in rows)

@@ -26,6 +26,9 @@ from typing import Any
 PID_FILE = "daemon.pid"
 INFO_FILE = "daemon.json"
 LOG_FILE = Path("logs") / "daemon.log"
+# `mtplxd start` exits with this (sysexits' EX_CANTCREAT) when the state dir cannot take
+# daemon.pid or daemon.json, a full disk most often: its log may not have room to say so.
+EXIT_STATE_DIR = 73
 
 # Never route calls to the local daemon through an HTTP proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -142,6 +145,9 @@ def status(state_dir: Path, api_key: str | None = None) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError):
         pass
     report["health"] = health(state_dir, api_key)
+    warnings = (report["health"] or {}).get("warnings")
+    if isinstance(warnings, list):  # conditions the daemon runs degraded under (a full disk)
+        report["warnings"] = warnings
     return report
 
 
@@ -197,12 +203,16 @@ def spawn(
     environment) and wait until it answers /health.
     Returns (exit code, message): the URL, or why it failed with the log's tail."""
     state_dir = Path(state_dir)
-    prepare_state_dir(state_dir)
     log = state_dir / LOG_FILE
     command = [sys.executable, "-m", "mtplxd", "start", *start_args, "--no-stderr-log"]
     # Its own session: the daemon outlives this terminal and its Ctrl-C. Its stray output
     # (a traceback before logging is set up) lands in the log, where the tail shows it.
-    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
+    try:
+        prepare_state_dir(state_dir)
+        out = open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    except OSError as e:
+        return EXIT_STATE_DIR, f"cannot write the state dir {state_dir}: {e.strerror or e}"
+    with out:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
             env={**os.environ, **(env or {})},
@@ -216,6 +226,10 @@ def spawn(
             process.terminate()
             return 1, f"mtplxd did not answer within {timeout:.0f} s; log tail:\n{log_tail(state_dir)}"
         time.sleep(0.1)
+    if code == EXIT_STATE_DIR:  # its own one-line error may not have fitted in the log
+        tail = log_tail(state_dir)
+        return code, f"cannot write daemon.pid or daemon.json in {state_dir} (is its disk full?)" + (
+            f"; log tail:\n{tail}" if tail.strip() else "")
     return code or 1, f"mtplxd exited during startup (exit {code}); log tail:\n{log_tail(state_dir)}"
 
 

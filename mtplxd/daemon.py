@@ -7,11 +7,18 @@ runs the HTTP server and the scheduler side by side. The server starts at once, 
 /health answers "loading" while the model loads, and keeps answering if the load
 fails. SIGINT/SIGTERM stop the scheduler first (in-flight streams get a final
 "shutdown" error event from it), then the server; the pid and address files go last.
+
+A full disk. The daemon cannot run without daemon.pid (its lock, and the pid that
+`mtplxd stop` signals) and daemon.json (where clients find it): when either cannot be
+written it exits with one line and client.EXIT_STATE_DIR. Everything else carries on:
+the session bank stays in RAM (mtplxd/workspaces.py open_bank), log records that cannot
+be written are dropped (LogFile), and /health lists each such condition in "warnings".
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -51,13 +58,31 @@ class ServerFailed(Exception):
     """uvicorn could not start (it logged why: address in use, lifespan error)."""
 
 
+class StateDirError(Exception):
+    """A file the daemon cannot run without (daemon.pid, daemon.json) cannot be written."""
+
+    def __init__(self, path: Path, error: OSError):
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = "free some space there" if full else "check its permissions"
+        super().__init__(f"cannot write {path}: {error.strerror or error}; mtplxd needs a few KiB in its state dir: "
+                         f"{fix}, or start it with --state-dir on another disk")
+
+
 def run(settings: Settings, log_to_stderr: bool = True) -> NoReturn:
     """Blocking entry point of `mtplxd start` (foreground). Ends the process."""
-    prepare_state_dir(settings.state_dir)
-    setup_logging(settings, log_to_stderr)
+    try:
+        prepare_state_dir(settings.state_dir)
+    except OSError as e:  # no logging yet: it lives in the state dir
+        print(f"mtplxd: {StateDirError(settings.state_dir, e)}", file=sys.stderr)
+        _exit(client.EXIT_STATE_DIR)
+    warnings: list[str] = []  # one-line conditions /health reports (the log file, here)
+    setup_logging(settings, log_to_stderr, warnings)
     code = 0
     try:
-        anyio.run(Daemon(settings).serve)
+        anyio.run(Daemon(settings, warnings=warnings).serve)
+    except StateDirError as e:
+        log.error("%s", e)
+        code = client.EXIT_STATE_DIR
     except (AlreadyRunning, ServerFailed) as e:
         log.error("%s", e)
         code = 1
@@ -66,6 +91,10 @@ def run(settings: Settings, log_to_stderr: bool = True) -> NoReturn:
     except Exception:
         log.exception("the daemon failed")
         code = 1
+    _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -76,7 +105,9 @@ def run(settings: Settings, log_to_stderr: bool = True) -> NoReturn:
 
 
 class Daemon:
-    def __init__(self, settings: Settings, load_engine: Callable[[], object] | None = None):
+    def __init__(self, settings: Settings, load_engine: Callable[[], object] | None = None,
+                 warnings: list[str] | None = None):
+        """`warnings`: a list others add one-line conditions to (run's log file), shown by /health."""
         self.settings = settings
         limits = SchedulerLimits(
             max_active=settings.max_active,
@@ -91,17 +122,25 @@ class Daemon:
         self.workspaces = WorkspaceRegistry(self.scheduler, settings.watch_workspaces, ignore=(settings.state_dir,))
         self.scheduler.workspaces = self.workspaces
         self.scheduler.on_workspace = self.workspaces.register
+        if warnings is not None:
+            self.scheduler.warnings = warnings
         self.server: uvicorn.Server | None = None
         self.port: int | None = None  # the port actually bound, once listening
+        self.failure: StateDirError | None = None  # daemon.json could not be written: serve raises it
 
     async def serve(self) -> None:
         state_dir = self.settings.state_dir
-        prepare_state_dir(state_dir)
+        try:
+            prepare_state_dir(state_dir)
+        except OSError as e:
+            raise StateDirError(state_dir, e) from None
         with PidLock(state_dir / client.PID_FILE):
             try:
                 await self._serve_locked()
             finally:
                 (state_dir / client.INFO_FILE).unlink(missing_ok=True)
+        if self.failure is not None:
+            raise self.failure
         log.info("stopped")
 
     def shutdown(self) -> None:
@@ -218,7 +257,13 @@ class Daemon:
             "version": _version(),
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        write_private(self.settings.state_dir / client.INFO_FILE, json.dumps(info, indent=2) + "\n")
+        path = self.settings.state_dir / client.INFO_FILE
+        try:
+            write_private(path, json.dumps(info, indent=2) + "\n")
+        except OSError as e:  # clients could not find us: stop rather than serve unseen
+            self.failure = StateDirError(path, e)
+            self.shutdown()
+            return
         log.info("listening on %s", client.base_url(client.connect_host(self.settings.host), self.port))
 
     async def _watch_signals(self) -> None:
@@ -261,10 +306,14 @@ def write_private(path: Path, text: str) -> None:
     """Write a 0600 file atomically: readers never see half of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep a half-written temp file
+        raise
 
 
 class PidLock:
@@ -275,6 +324,15 @@ class PidLock:
         self.fd: int | None = None
 
     def __enter__(self) -> PidLock:
+        try:
+            self._lock()
+        except OSError as e:  # a full disk: no room for the pid
+            if self.fd is not None:
+                self.__exit__()
+            raise StateDirError(self.path, e) from None
+        return self
+
+    def _lock(self) -> None:
         while self.fd is None:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
@@ -293,7 +351,6 @@ class PidLock:
         os.fchmod(self.fd, 0o600)
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-        return self
 
     def __exit__(self, *exc) -> None:
         self.path.unlink(missing_ok=True)  # before unlocking: no one sees a stale file
@@ -313,14 +370,17 @@ def _same_file(fd: int, path: Path) -> bool:
 # -- logging -------------------------------------------------------------------------
 
 
-def setup_logging(settings: Settings, to_stderr: bool) -> None:
+def setup_logging(settings: Settings, to_stderr: bool, warnings: list[str] | None = None) -> None:
     """Everything (ours, uvicorn's, the engine's) to logs/daemon.log, and to stderr
-    in the foreground."""
+    in the foreground. `warnings` gets a line while the log file cannot be written."""
     path = settings.state_dir / client.LOG_FILE
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
-    os.chmod(path, 0o600)  # requests' paths and errors land here
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        os.chmod(path, 0o600)  # requests' paths and errors land here
+    except OSError:
+        pass  # a full disk: LogFile notes it with the first record
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers: list[logging.Handler] = [logging.FileHandler(path, encoding="utf-8")]
+    handlers: list[logging.Handler] = [LogFile(path, [] if warnings is None else warnings)]
     if to_stderr:
         handlers.append(logging.StreamHandler(sys.stderr))
     root = logging.getLogger()
@@ -328,6 +388,47 @@ def setup_logging(settings: Settings, to_stderr: bool) -> None:
         handler.setFormatter(formatter)
         root.addHandler(handler)
     root.setLevel(settings.log_level.upper())
+
+
+class LogFile(logging.FileHandler):
+    """logs/daemon.log, which a full disk must not turn into "--- Logging error ---"
+    tracebacks: a record that cannot be written is dropped (stderr still has it in the
+    foreground), and `warnings` holds one line saying so until a record is written again."""
+
+    def __init__(self, path: Path, warnings: list[str]):
+        super().__init__(path, encoding="utf-8", delay=True)
+        self.warnings = warnings
+        self.warning: str | None = None
+        self._failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed = False
+        try:
+            super().emit(record)  # a failed write comes back through handleError
+        except OSError as e:  # opening the file
+            self._lost(e)
+            return
+        if not self._failed and self.warning is not None:
+            with contextlib.suppress(ValueError):
+                self.warnings.remove(self.warning)
+            self.warning = None
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        self._failed = True
+        self._lost(error)
+        stream, self.stream = self.stream, None  # reopened by the next record: nothing half-buffered stays
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+    def _lost(self, error: OSError) -> None:
+        if self.warning is None:
+            self.warning = f"log records are lost: {self.baseFilename} cannot be written ({error.strerror or error})"
+            self.warnings.append(self.warning)
 
 
 def _version() -> str:

@@ -26,6 +26,11 @@ handshake) of the daemon:
 - the default workspace is this process's working directory (or --workspace):
   filled into every call of a tool that takes `workspace` when the agent gives
   none, and `workspace` is listed as optional here;
+- roots: the daemon's tools use only folders the user allowed, among them the
+  MCP client's roots. The shim declares roots to the daemon: the agent's own
+  when the agent declares roots (asked through the agent's session, and
+  `notifications/roots/list_changed` passed on), else its workspace, which the
+  user chose by starting the agent there;
 - a lost connection (daemon restarted, session expired) is re-established once
   per request, through daemon.json again (the port may have changed).
 
@@ -55,6 +60,7 @@ MCP_PATH = "/mcp"  # where the daemon serves MCP (adapters/mcp.py MCP_PATH)
 CONNECT_TIMEOUT_S = 45.0  # find or start the daemon, and connect to it
 SPAWN_TIMEOUT_S = 40.0  # a started daemon must answer /health within this
 CALL_TIMEOUT_S = 120.0  # the daemon ends every tool call within 50 s; beyond this it is hung
+ROOTS_TIMEOUT_S = 10.0  # the agent's answer to roots/list
 
 log = logging.getLogger("mtplxd.mcp")
 T = TypeVar("T")
@@ -114,6 +120,7 @@ class Upstream:
         self._changed = anyio.Event()  # replaced at each change of _client / _failure
         self._attempt = anyio.Event()  # set: the owner should connect
         self._drop = anyio.Event()  # set: the owner should close the connection
+        self.list_roots: Callable[[Any], Awaitable[Any]] | None = None  # answers the daemon's roots/list
 
     def want(self) -> None:
         """Find or start the daemon now, in the background."""
@@ -142,7 +149,8 @@ class Upstream:
                     http = await stack.enter_async_context(httpx2.AsyncClient(
                         headers=headers, timeout=httpx2.Timeout(30.0, read=300.0), trust_env=False))
                     upstream = Client(streamable_http_client(url, http_client=http), mode="legacy", cache=None,
-                                      client_info=Implementation(name="mtplxd-mcp", version=_version()))
+                                      client_info=Implementation(name="mtplxd-mcp", version=_version()),
+                                      list_roots_callback=self.list_roots)
                     await stack.enter_async_context(upstream)
                     connected = True
                     self._set(upstream)
@@ -201,6 +209,15 @@ class Upstream:
             raise UpstreamError(f"could not reach the mtplxd daemon within {CONNECT_TIMEOUT_S:.0f} s")
         return self._client.session
 
+    async def notify(self, notification: Any) -> None:
+        """Pass a notification on to the daemon, when connected (a new connection starts afresh)."""
+        upstream = self._client
+        if upstream is not None:
+            try:
+                await upstream.session.send_notification(notification)
+            except Exception as e:  # the next request reconnects
+                log.info("could not notify the daemon: %s", _describe(e))
+
     def _reset(self, session: Any) -> None:
         if self._client is not None and self._client.session is session:
             self._client = None
@@ -239,6 +256,8 @@ class Shim:
         self.upstream = upstream
         self.workspace = workspace
         self._workspace_tools: set[str] | None = None  # tools that take `workspace`
+        self._agent: Any = None  # the agent's session, from its latest tool call: where its roots are asked
+        upstream.list_roots = self.roots
         self.server = Server(
             "mtplxd",
             version=_version(),
@@ -253,15 +272,19 @@ class Shim:
             on_list_prompts=self.list_prompts,
             on_get_prompt=self.get_prompt,
         )
+        from mcp.types import NotificationParams
+
+        self.server.add_notification_handler("notifications/roots/list_changed", NotificationParams,
+                                             self.roots_changed)
 
     async def serve(self) -> None:
         import anyio
-        from mcp.server.stdio import stdio_server
+        from mtplxd.mcp_stdio import stdio_transport  # answers malformed lines, unlike the SDK's
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.upstream.run)
             self.upstream.want()  # find or start the daemon while the agent initializes
-            async with stdio_server() as (read, write):
+            async with stdio_transport() as (read, write):
                 await self.server.run(read, write, self.server.create_initialization_options())
             tg.cancel_scope.cancel()
 
@@ -301,6 +324,7 @@ class Shim:
     async def call_tool(self, ctx: Any, params: Any) -> Any:
         from mcp.types import CallToolResult, TextContent
 
+        self._agent = ctx.session  # the daemon may ask for roots while this call runs
         arguments = dict(params.arguments or {})
         try:
             if self._workspace_tools is None:  # called before any tools/list
@@ -315,6 +339,32 @@ class Shim:
                 params.name, arguments, read_timeout_seconds=CALL_TIMEOUT_S, progress_callback=progress))
         except UpstreamError as e:  # the agent's model should read why, as for any tool failure
             return CallToolResult(content=[TextContent(type="text", text=str(e))], is_error=True)
+
+    # -- roots ---------------------------------------------------------------------------------
+
+    async def roots(self, context: Any) -> Any:
+        """The roots the shim declares to the daemon: the agent's own when it declares roots,
+        else the shim's workspace (--workspace or the working directory), where the user
+        started the agent."""
+        import anyio
+        from mcp.types import ListRootsRequest, ListRootsResult, Root
+
+        agent = self._agent
+        capabilities = agent.client_capabilities if agent is not None else None
+        if capabilities is not None and capabilities.roots is not None:
+            try:
+                with anyio.fail_after(ROOTS_TIMEOUT_S):
+                    return await agent.send_request(ListRootsRequest(), ListRootsResult)
+            except Exception as e:  # an agent that declares roots but cannot list them
+                log.warning("the agent did not list its roots (%s: %s); declaring %s", type(e).__name__, e,
+                            self.workspace)
+        return ListRootsResult(roots=[Root(uri=Path(self.workspace).as_uri(), name="mtplxd mcp workspace")])
+
+    async def roots_changed(self, ctx: Any, params: Any) -> None:
+        """The agent's roots changed: the daemon forgets the ones it has from this shim."""
+        from mcp.types import RootsListChangedNotification
+
+        await self.upstream.notify(RootsListChangedNotification())
 
     # -- resources and prompts -----------------------------------------------------------------
 

@@ -120,6 +120,7 @@ class Scheduler:
         self.bank = bank  # an engine.session_bank.SessionBank, bound once the model has loaded
         self.workspaces = None  # the daemon's workspace registry (mtplxd/workspaces.py), if any
         self.on_workspace: Callable[[str], None] | None = None
+        self.warnings: list[str] = []  # one-line conditions /health reports (mtplxd/daemon.py: a full disk)
         self.engine = None
         self.state: Literal["loading", "ready", "failed", "stopping", "stopped"] = "loading"
         self.load_error: str | None = None

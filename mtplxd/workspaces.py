@@ -87,6 +87,8 @@ def read_source(path: str) -> str | None:
 
 
 class WorkspaceRegistry:
+    MAX_EDITOR_FOLDERS = 1024  # names only; bounded all the same
+
     def __init__(
         self,
         scheduler: Any,
@@ -109,6 +111,9 @@ class WorkspaceRegistry:
         self._current: tuple[str, Any] | None = None  # (file, ticket) being warmed
         self.warmups_started = self.warmups_done = self.warmups_failed = 0
         self.dropped: list[str] = []  # workspaces dropped because their folder went away
+        # Folders editors opened over LSP, most recent last: MCP tools may use them
+        # (adapters/mcp_paths.py). Kept apart from `known`, which any HTTP request can add to.
+        self._editor_folders: OrderedDict[str, None] = OrderedDict()
 
     # -- event-loop side ---------------------------------------------------------------
 
@@ -131,6 +136,21 @@ class WorkspaceRegistry:
 
     def watched(self) -> list[str]:
         return sorted(self._watchers)
+
+    def open_in_editor(self, folder: str) -> None:
+        """Note a folder an editor opened over LSP (its root or a workspace folder)."""
+        try:
+            ws = normalize_workspace(folder)
+        except ValueError:
+            return
+        self._editor_folders[ws] = None
+        self._editor_folders.move_to_end(ws)
+        while len(self._editor_folders) > self.MAX_EDITOR_FOLDERS:
+            self._editor_folders.popitem(last=False)
+
+    def editor_folders(self) -> list[str]:
+        """The folders editors opened over LSP during this daemon's life."""
+        return list(self._editor_folders)
 
     async def run(self) -> None:
         """Watch registered workspaces and run warm-ups until cancelled."""
@@ -273,12 +293,21 @@ def default_disk_bytes(folder: Path) -> int:
 
 
 def open_bank(settings: Any) -> Any:
-    """The session bank of `settings` (<state_dir>/sessions), or None when switched off."""
+    """The session bank of `settings` (<state_dir>/sessions), or None when switched off.
+    On a (nearly) full disk it is RAM only, with a warning in the log and bank.disk_warning."""
     from engine.session_bank import SessionBank
+    from engine.session_disk_tier import full_disk_warning
 
     ram = settings.session_ram_bytes if settings.session_ram_bytes is not None else default_ram_bytes()
     if ram <= 0:
         return None
     folder = Path(settings.state_dir) / "sessions"
+    delay, bps = settings.session_write_delay_ms / 1000.0, settings.session_write_bps
+    full = full_disk_warning(folder) if settings.session_disk_bytes != 0 else None  # 0: RAM only by choice
+    if full is not None:
+        log.warning("%s", full)
+        bank = SessionBank(None, ram, 0, delay, bps)
+        bank.disk_warning = full
+        return bank
     disk = settings.session_disk_bytes if settings.session_disk_bytes is not None else default_disk_bytes(folder)
-    return SessionBank(folder, ram, disk, settings.session_write_delay_ms / 1000.0, settings.session_write_bps)
+    return SessionBank(folder, ram, disk, delay, bps)

@@ -1,4 +1,7 @@
-"""Two options for running the suite under each BLAS kernel choice (`make test-kernels`):
+"""Options of the suite: the soak's length (`make test-reliability` runs the full size),
+and two for running it under each BLAS kernel choice (`make test-kernels`):
+
+    --soak-seconds S                    how long tests/reliability/test_soak.py runs (10)
 
     --few-rows-kernel widest|avx2|off   which of the BLAS shim's few-row kernels serves
                                         decode-sized matmuls (widest: AVX-512 where the
@@ -25,6 +28,7 @@ def pytest_addoption(parser) -> None:
     parser.addoption("--float-report", action="store_true",
                      help="print each test's largest float difference against its bound")
     parser.addoption("--float-json", metavar="FILE", help="write those differences as JSON")
+    parser.addoption("--soak-seconds", type=float, default=10.0, help="length of the reliability soak")
 
 
 def pytest_configure(config) -> None:

@@ -188,7 +188,7 @@ def test_errors_come_in_anthropics_shape(client, daemon):
 
 def test_raw_http_errors_and_bearer_auth(daemon):
     url = daemon.base_url + "/v1/messages"
-    r = httpx.post(url, content=b"{nope", headers={"x-api-key": KEY})
+    r = httpx.post(url, content=b"{nope", headers={"x-api-key": KEY, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(url, json={"model": "default", "messages": ASK}, headers={"x-api-key": KEY})
     assert r.status_code == 400 and "`max_tokens` is required" in r.json()["error"]["message"]

@@ -34,6 +34,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from mcp.types import ListRootsResult, Root
 
 import engine  # noqa: F401  (BLAS before mlx)
 from engine.engine import load_tokenizer
@@ -132,11 +133,22 @@ async def stdio(env: dict[str, str], cwd: Path) -> AsyncIterator[Client]:
         yield session
 
 
+def declare(*folders: Path):
+    """A client's roots/list answer: the daemon's tools use only folders a client declared as
+    roots (or that the user allowed otherwise: tests/reliability/test_mcp_workspaces.py)."""
+    async def list_roots(context) -> ListRootsResult:
+        return ListRootsResult(roots=[Root(uri=folder.as_uri()) for folder in folders])
+
+    return list_roots
+
+
 @contextlib.asynccontextmanager
-async def http(url: str, mode: str = "legacy", key: str | None = KEY) -> AsyncIterator[Client]:
+async def http(url: str, mode: str = "legacy", key: str | None = KEY, roots: tuple[Path, ...] = ()
+               ) -> AsyncIterator[Client]:
     headers = {"Authorization": f"Bearer {key}"} if key else None
     async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=120.0), trust_env=False) as h:
-        async with Client(streamable_http_client(url + "/mcp", http_client=h), mode=mode) as session:
+        async with Client(streamable_http_client(url + "/mcp", http_client=h), mode=mode,
+                          list_roots_callback=declare(*roots) if roots else None) as session:
             yield session
 
 
@@ -146,7 +158,7 @@ async def connect(transport: str, daemon: DaemonInfo, folders: Folders) -> Async
         async with stdio(daemon.env, folders.a) as session:
             yield session
     else:
-        async with http(daemon.url, "legacy" if transport == "http" else "auto") as session:
+        async with http(daemon.url, "legacy" if transport == "http" else "auto", roots=(folders.a,)) as session:
             yield session
 
 
@@ -333,7 +345,7 @@ async def test_two_clients_in_two_workspaces_keep_separate_caches(daemon, folder
         await idle(one)  # the jobs have closed and offered their caches to the bank
         return out["one"], out["two"]
 
-    async with stdio(daemon.env, folders.c) as one, http(daemon.url) as two:
+    async with stdio(daemon.env, folders.c) as one, http(daemon.url, roots=(folders.d,)) as two:
         await idle(one)
         first_c, first_d = await both(p, q)  # new workspaces: nothing cached
         cross_c, cross_d = await both(q, p)  # the other workspace's prompt

@@ -230,7 +230,8 @@ BAD = [
 
 def test_bad_requests_get_openai_errors_and_the_daemon_keeps_serving(http, client):
     for path, body, status, param, code in BAD:
-        r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+        raw = {"content": body, "headers": {"Content-Type": "application/json"}}
+        r = http.post(path, **raw) if isinstance(body, bytes) else http.post(path, json=body)
         error = r.json()["error"]
         assert r.status_code == status, (path, body, r.text)
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
