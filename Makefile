@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+SHIM_STAMP := $(VENV)/.shim-built
 # Every direct and transitive dependency, for Linux and macOS, at an exact version
 # with the hashes of its files; `make lock` refreshes it.
 LOCK   := requirements.lock
@@ -11,14 +12,19 @@ UV_VERSION := 0.13.9
 
 .PHONY: install lock start test test-slow test-kernels test-reliability doctor clean
 
-install: $(STAMP)
+install: $(STAMP) $(SHIM_STAMP)
 
-$(STAMP): pyproject.toml $(LOCK) engine/native/cblas_shim.c scripts/build_blas_shim.sh
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --require-hashes -r $(LOCK)
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
-	sh scripts/build_blas_shim.sh $(BIN)/python
 	touch $(STAMP)
+
+# On Linux, done only once the shim is built: without a C compiler the next
+# `make install` tries again (macOS needs no shim).
+$(SHIM_STAMP): $(STAMP) engine/native/cblas_shim.c scripts/build_blas_shim.sh
+	sh scripts/build_blas_shim.sh $(BIN)/python
+	if [ "$$(uname -s)" != Linux ] || [ -f $(VENV)/lib/mtplxd/libmtplxd_cblas.so ]; then touch $@; fi
 
 # Resolves pyproject.toml (with the test extras) for every platform at once, keeping
 # the versions already pinned where they still fit; LOCK_FLAGS=--upgrade takes the

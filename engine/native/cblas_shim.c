@@ -126,7 +126,7 @@ static void dots(blasint rows, const float *x, blasint lda, const float *w0, con
  * accumulators of 16 floats), the tail of each row by a masked load. Four
  * rows of W in flight instead of two keep more of the memory pipeline busy,
  * and the 512-bit FMAs give the verify window's extra rows room to hide under
- * the reads: see "Fast CPU matmuls" in the README for what it did. */
+ * the reads: see "Fast CPU matmuls on Linux" in docs/engine.md for what it did. */
 __attribute__((target("avx512f"))) static inline __m256 fold16(__m512 v)
 {
     return _mm256_add_ps(_mm512_castps512_ps256(v),
