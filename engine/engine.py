@@ -21,7 +21,7 @@ from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
 from engine.checkpoint import CheckpointError, load_weights, read_config, text_config
 from engine.generation import Generation, GenerationRequest
 from engine.quantized import quantization
-from engine.session_state import Restore
+from engine.sessions.state import Restore
 
 
 @dataclass

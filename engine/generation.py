@@ -12,7 +12,7 @@ trimmed back to its real entries, so it always equals what feeding the
 committed tokens one by one would build. `_HeadState.pending` holds the real
 hidden-ins a head has not consumed yet (positions offset .. offset+n-1).
 
-Session bank (engine/session_state.py, engine/session_mlx.py). Between two
+Session bank (engine/sessions/state.py, engine/sessions/arrays.py). Between two
 steps the state is always consistent, so `snapshot()` may copy it out (a
 generation opened with `record=True` also keeps the trunk's hidden state of
 every position and the last logits for that). A generation opened with `restore=` starts from a
@@ -37,7 +37,7 @@ import numpy as np
 from engine.backends.base import Backend, Tape
 from engine.blas import decode_threads
 from engine.sampling import SamplerSettings, compiled_probabilities, probabilities, provisional_probabilities
-from engine.session_mlx import (
+from engine.sessions.arrays import (
     capture_head,
     capture_layer,
     restore_head,
@@ -46,7 +46,7 @@ from engine.session_mlx import (
     to_device,
     to_host,
 )
-from engine.session_state import Restore, Snapshot, SnapshotMismatch, Tensor
+from engine.sessions.state import Restore, Snapshot, SnapshotMismatch, Tensor
 from engine.speculative import compiled_sample, compiled_verify, sample, verify_greedy
 
 

@@ -153,8 +153,8 @@ def engine_id() -> str:
 
 
 def model_id(folder: Path) -> str:
-    """config.json and a cheap digest of every weight file (engine/session_mlx.py)."""
-    from engine.session_mlx import hash_checkpoint_files
+    """config.json and a cheap digest of every weight file (engine/sessions/arrays.py)."""
+    from engine.sessions.arrays import hash_checkpoint_files
 
     h = hashlib.sha256()
     hash_checkpoint_files(h, folder)

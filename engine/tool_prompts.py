@@ -11,7 +11,7 @@ open models were trained on:
     assistant turn:  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call> per call
     tool results:    a user turn of <tool_response>\\n...\\n</tool_response> blocks
 
-Replies in that layout are read by adapters/tool_parsers.py (HermesParser).
+Replies in that layout are read by adapters/common/tool_parsers.py (HermesParser).
 """
 
 from __future__ import annotations

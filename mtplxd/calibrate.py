@@ -101,7 +101,7 @@ class CalibrateJob:
 
 def calibration_prompt(engine: Engine, max_tokens: int = 512) -> tuple[int, ...]:
     """The opening of a held-out standard-library module (mtplxd bench's first prompt)."""
-    from mtplxd.bench import held_out_prompts
+    from mtplxd.bench.decode import held_out_prompts
 
     texts = held_out_prompts(1) or ["def main(argv):\n    "]
     ids = engine.tokenizer.encode(texts[0])

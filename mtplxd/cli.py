@@ -35,7 +35,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from mtplxd import inspect_cmd
+    from mtplxd.commands import inspect as inspect_cmd
 
     return inspect_cmd.run(args.path, args.json)
 
@@ -45,7 +45,7 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from mtplxd import doctor
+    from mtplxd.commands import doctor
 
     return doctor.run(args.json)
 
@@ -226,7 +226,7 @@ def _bench(args: argparse.Namespace) -> int:
     as_json = args.json is not None
     if args.model:
         from mtplxd.config import resolve_state_dir
-        from mtplxd.models import ModelError, resolve_model
+        from mtplxd.store.models import ModelError, resolve_model
 
         try:
             args.model = str(resolve_model(args.model, resolve_state_dir()))
@@ -234,14 +234,14 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"mtplxd bench: {e}", file=sys.stderr)
             return 2
     if args.sessions:
-        from mtplxd import bench_sessions
+        from mtplxd.bench import sessions as bench_sessions
 
         return bench_sessions.run(args.model, as_json)
     if args.serve:
-        from mtplxd import bench_serve
+        from mtplxd.bench import serve as bench_serve
 
         return bench_serve.run(args.model, args.requests, as_json)
-    from mtplxd import bench
+    from mtplxd.bench import decode as bench
 
     from mtplxd.config import resolve_state_dir
 
@@ -252,37 +252,37 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    from mtplxd import train_cmd
+    from mtplxd.commands import train as train_cmd
 
     train_cmd.add_arguments(p)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from mtplxd import train_cmd
+    from mtplxd.commands import train as train_cmd
 
     return train_cmd.run(args)
 
 
 def _lsp_args(p: argparse.ArgumentParser) -> None:
-    from mtplxd import lsp_bridge
+    from mtplxd.shims import lsp_bridge
 
     lsp_bridge.add_arguments(p)
 
 
 def _lsp(args: argparse.Namespace) -> int:
-    from mtplxd import lsp_bridge
+    from mtplxd.shims import lsp_bridge
 
     return lsp_bridge.run(args.state_dir, args.model)
 
 
 def _mcp_args(p: argparse.ArgumentParser) -> None:
-    from mtplxd import mcp_shim  # standard library only at import: the parser stays fast
+    from mtplxd.shims import mcp_shim  # standard library only at import: the parser stays fast
 
     mcp_shim.add_arguments(p)
 
 
 def _mcp(args: argparse.Namespace) -> int:
-    from mtplxd import mcp_shim
+    from mtplxd.shims import mcp_shim
 
     return mcp_shim.main(args)
 
@@ -291,12 +291,12 @@ def _models_command(adder: str, runner: str) -> tuple[Callable, Callable]:
     """Arguments and run of a models_cmd subcommand, imported only when used."""
 
     def add_arguments(p: argparse.ArgumentParser) -> None:
-        from mtplxd import models_cmd
+        from mtplxd.commands import models as models_cmd
 
         getattr(models_cmd, adder)(p)
 
     def run(args: argparse.Namespace) -> int:
-        from mtplxd import models_cmd
+        from mtplxd.commands import models as models_cmd
 
         return getattr(models_cmd, runner)(args)
 

@@ -86,15 +86,15 @@ class Settings:
     log_level: str = "info"
     # Largest HTTP request body, bytes (413 beyond): a 1M-token prompt is ~4 MiB of JSON.
     max_body_bytes: int = 16 * 2**20
-    # Who may reach the HTTP API (adapters/http_guard.py). Host names clients use besides
+    # Who may reach the HTTP API (adapters/http/guard.py). Host names clients use besides
     # loopback and the bound address; browser origins besides loopback ones (a web UI
     # served elsewhere), e.g. "https://chat.example.org".
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     # Folders MCP tools may read and warm besides those the client declares as roots and
-    # those editors open over LSP (adapters/mcp_paths.py).
+    # those editors open over LSP (adapters/mcp/paths.py).
     workspaces: tuple[str, ...] = ()
-    # Session bank (engine/session_bank.py). Bytes; None: a default from the machine.
+    # Session bank (engine/sessions/bank.py). Bytes; None: a default from the machine.
     session_ram_bytes: int | None = None  # None: 1/8 of physical memory (at most 32 GiB); 0: no bank
     session_disk_bytes: int | None = None  # None: 8 GiB or 1/4 of the free disk, the smaller; 0: RAM only
     session_write_delay_ms: int = 2000  # a new entry waits this long before its background write
@@ -210,8 +210,8 @@ def load_settings(
 
 
 def _resolve_model(value: str, state_dir: Path, source: str) -> Path:
-    """A path, a name in <state_dir>/models/ or a pulled repository id (mtplxd/models.py)."""
-    from mtplxd.models import ModelError, resolve_model
+    """A path, a name in <state_dir>/models/ or a pulled repository id (mtplxd/store/models.py)."""
+    from mtplxd.store.models import ModelError, resolve_model
 
     try:
         return resolve_model(value, state_dir)

@@ -150,9 +150,9 @@ class Daemon:
             self.server.should_exit = True
 
     async def _serve_locked(self) -> None:
-        from adapters import mcp
-        from adapters.lsp_transport import serve_lsp
-        from adapters.openai import create_app  # after the lock: a refused start stays cheap
+        from adapters.mcp import server as mcp
+        from adapters.lsp.transport import serve_lsp
+        from adapters.http.app import create_app  # after the lock: a refused start stays cheap
 
         app = create_app(self.scheduler, self.settings)
         mcp.mount(app, self.scheduler, self.settings)  # /mcp: same port and API key (MCP in its lifespan)
@@ -292,7 +292,7 @@ def load_model(path: Path) -> object:
     """Runs on the scheduler's worker thread."""
     import engine  # noqa: F401  (sets up BLAS before mlx.core loads)
     from engine.engine import Engine
-    from mtplxd.models import touch_last_used
+    from mtplxd.store.models import touch_last_used
 
     loaded = Engine.load(path)
     touch_last_used(loaded.path)  # `mtplxd models` shows when each model was last used

@@ -5,7 +5,7 @@ detokenized, never splitting a UTF-8 character, never emitting part of a
 stop string) and ends with one `Done`. An `EmbedJob` pools hidden states.
 Both run one short step at a time on the engine worker thread.
 
-Session bank (engine/session_bank.py): a `TextJob` looks up the longest cached
+Session bank (engine/sessions/bank.py): a `TextJob` looks up the longest cached
 prefix of its prompt in its workspace before the first step and restores it
 instead of prefilling it (`Usage.cached_tokens`); it offers a snapshot once its
 prompt is in the caches (at its second step, after the first token went out) and
@@ -27,8 +27,8 @@ from engine.generation import Generation, GenerationRequest
 from engine.profiles import DecodePlan
 from engine.prompts import Heal
 from engine.sampling import SamplerSettings
-from engine.session_bank import SessionBank
-from engine.session_state import SnapshotMismatch
+from engine.sessions.bank import SessionBank
+from engine.sessions.state import SnapshotMismatch
 
 log = logging.getLogger("mtplxd.jobs")
 

@@ -117,7 +117,7 @@ class Scheduler:
         self.limits = limits
         self.calibrations = calibrations  # measured depth choices per model and machine
         self.planner: DecodePlanner | None = None  # set once the model has loaded
-        self.bank = bank  # an engine.session_bank.SessionBank, bound once the model has loaded
+        self.bank = bank  # an engine.sessions.bank.SessionBank, bound once the model has loaded
         self.workspaces = None  # the daemon's workspace registry (mtplxd/workspaces.py), if any
         self.on_workspace: Callable[[str], None] | None = None
         self.warnings: list[str] = []  # one-line conditions /health reports (mtplxd/daemon.py: a full disk)
@@ -231,7 +231,7 @@ class Scheduler:
         if self.bank is None:
             return
         try:
-            from engine.session_mlx import describe
+            from engine.sessions.arrays import describe
 
             key = describe(self.engine)
             if key is None:

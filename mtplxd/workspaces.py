@@ -112,7 +112,7 @@ class WorkspaceRegistry:
         self.warmups_started = self.warmups_done = self.warmups_failed = 0
         self.dropped: list[str] = []  # workspaces dropped because their folder went away
         # Folders editors opened over LSP, most recent last: MCP tools may use them
-        # (adapters/mcp_paths.py). Kept apart from `known`, which any HTTP request can add to.
+        # (adapters/mcp/paths.py). Kept apart from `known`, which any HTTP request can add to.
         self._editor_folders: OrderedDict[str, None] = OrderedDict()
 
     # -- event-loop side ---------------------------------------------------------------
@@ -295,8 +295,8 @@ def default_disk_bytes(folder: Path) -> int:
 def open_bank(settings: Any) -> Any:
     """The session bank of `settings` (<state_dir>/sessions), or None when switched off.
     On a (nearly) full disk it is RAM only, with a warning in the log and bank.disk_warning."""
-    from engine.session_bank import SessionBank
-    from engine.session_disk_tier import full_disk_warning
+    from engine.sessions.bank import SessionBank
+    from engine.sessions.disk_tier import full_disk_warning
 
     ram = settings.session_ram_bytes if settings.session_ram_bytes is not None else default_ram_bytes()
     if ram <= 0:

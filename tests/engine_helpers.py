@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from engine.bench_rows import few_rows_switch
+from mtplxd.bench.rows import few_rows_switch
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
 from engine.sampling import SamplerSettings

@@ -8,12 +8,12 @@ import json
 import pytest
 
 import engine  # noqa: F401  (BLAS before mlx)
-from adapters.anthropic_schema import conversation, tool_spec
-from adapters.chat_turn import ToolSpec, render_chat
-from adapters.json_output import parse_response_format
-from adapters.openai_schema import ApiError
-from adapters.openai_tools import openai_tool_spec, template_kwargs
-from adapters.tool_parsers import HermesParser
+from adapters.http.anthropic_schema import conversation, tool_spec
+from adapters.common.chat_turn import ToolSpec, render_chat
+from adapters.common.json_output import parse_response_format
+from adapters.http.openai_schema import ApiError
+from adapters.http.openai_tools import openai_tool_spec, template_kwargs
+from adapters.common.tool_parsers import HermesParser
 from engine.engine import load_tokenizer
 from engine.prompts import chat_prompt_text, normalize_messages
 from tests.checkpoints.common import write_tokenizer as write_plain_tokenizer

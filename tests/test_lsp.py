@@ -20,9 +20,9 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pygls.lsp.client import LanguageClient
 
-from adapters.lsp_documents import ContextDocument, Options, PromptBuilder, snapshot, workspace_of
-from adapters.lsp_engine import snippet_text
-from adapters.lsp_postprocess import (
+from adapters.lsp.documents import ContextDocument, Options, PromptBuilder, snapshot, workspace_of
+from adapters.lsp.completions import snippet_text
+from adapters.lsp.postprocess import (
     Cursor, TypeAheadCache, automatic_allowed, detect_indent_unit, finalize, suffix_start, trim,
 )
 from mtplxd import client as daemon_client

@@ -483,7 +483,7 @@ def test_example_configurations_point_at_mtplxd():
 
 
 async def test_calls_are_bounded_while_the_model_loads_and_while_it_generates(tmp_path, checkpoint, monkeypatch):
-    from adapters import mcp as adapter
+    from adapters.mcp import server as adapter
     from mtplxd.daemon import Daemon, load_model
 
     monkeypatch.setattr(adapter, "MODEL_WAIT_S", 0.3)

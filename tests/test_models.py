@@ -22,7 +22,7 @@ from engine.engine import Engine
 from engine.head_export import HEADS_FILE
 from mtplxd.cli import main
 from mtplxd.config import ConfigError, load_settings
-from mtplxd.models import RECORD_FILE, read_record, resolve_model
+from mtplxd.store.models import RECORD_FILE, read_record, resolve_model
 from tests.checkpoints import write
 from tests.engine_helpers import assert_greedy_agree, available_families, greedy, run
 from tests.floats import PATHS_ULPS, assert_close

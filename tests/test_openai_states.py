@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 
 import engine  # noqa: F401  (BLAS before mlx)
-from adapters.openai import create_app
+from adapters.http.app import create_app
 from engine.engine import Engine
 from mtplxd.config import Settings
 from mtplxd.scheduler import Scheduler, SchedulerLimits

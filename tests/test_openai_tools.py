@@ -18,7 +18,7 @@ import openai
 import pytest
 
 import engine  # noqa: F401  (BLAS before mlx)
-from adapters.chat_turn import ToolSpec, render_chat
+from adapters.common.chat_turn import ToolSpec, render_chat
 from engine.engine import load_tokenizer
 from tests.checkpoints.tools import WEATHER_SCRIPT, write_checkpoint
 from tests.daemon_fixture import running_daemon

@@ -17,14 +17,15 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from engine import bench_cycle, profiles
+from engine import profiles
 from engine.engine import Engine
 from engine.profiles import (
     PROFILES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
 )
 from engine.sampling import SamplerSettings
 from engine.speculative import compiled_sample, compiled_verify, sample, verify
-from mtplxd import bench
+from mtplxd.bench import cycle as bench_cycle
+from mtplxd.bench import decode as bench
 from tests.checkpoints import write
 from tests.daemon_fixture import running_daemon
 from tests.engine_helpers import run

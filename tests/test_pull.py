@@ -18,7 +18,7 @@ import pytest
 
 from engine.backends.descriptors import inspect_checkpoint
 from engine.checkpoint import read_header
-from mtplxd.models import read_record
+from mtplxd.store.models import read_record
 from tests.checkpoints import write
 from tests.fake_hub import COMMIT, FakeHub
 

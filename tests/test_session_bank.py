@@ -16,10 +16,10 @@ import pytest
 
 from engine.generation import GenerationRequest
 from engine.sampling import SamplerSettings
-from engine.session_bank import MANIFEST, SessionBank
-from engine.session_files import read_snapshot, snapshot_metadata, write_snapshot
-from engine.session_mlx import describe
-from engine.session_state import LayerState, Restore
+from engine.sessions.bank import MANIFEST, SessionBank
+from engine.sessions.files import read_snapshot, snapshot_metadata, write_snapshot
+from engine.sessions.arrays import describe
+from engine.sessions.state import LayerState, Restore
 from mtplxd.jobs import Done, Priority, TextRequest, WarmRequest, Warmed
 from mtplxd.scheduler import Scheduler
 from tests.checkpoints import write

@@ -14,10 +14,10 @@ import random
 
 import pytest
 
-from adapters.chat_turn import AssistantOutput, ChatTurn, Reply, ToolSpec, collect, read_all
-from adapters.reasoning import ThinkSplitter, prompt_opens_think
-from adapters.streaming_text import Reasoning, Text, partial_marker
-from adapters.tool_parsers import Call, DeepSeekParser, HermesParser, Qwen3CoderParser, parser_for
+from adapters.common.chat_turn import AssistantOutput, ChatTurn, Reply, ToolSpec, collect, read_all
+from adapters.common.reasoning import ThinkSplitter, prompt_opens_think
+from adapters.common.streaming_text import Reasoning, Text, partial_marker
+from adapters.common.tool_parsers import Call, DeepSeekParser, HermesParser, Qwen3CoderParser, parser_for
 
 
 def tool(name: str, **properties: str) -> dict:

@@ -60,7 +60,7 @@ PROMPT_END = "\n"  # the last character of every generation prompt above
 EOS = "<|endoftext|>"
 # What the scripted model of the end-to-end tests says after any chat prompt: reasoning,
 # then a Hermes call. The call's JSON is split where the named-tool prefill ends
-# (adapters/tool_parsers.HermesParser.prefill), so a forced call continues the script.
+# (adapters/common/tool_parsers.HermesParser.prefill), so a forced call continues the script.
 WEATHER_SCRIPT = ["<think>", "the user wants the weather", "</think>", "<tool_call>",
                   '\n{"name": "get_weather", "arguments": ', '{"city": "paris"}}', "</tool_call>"]
 

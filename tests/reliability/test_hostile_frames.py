@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.lsp_transport import MAX_MESSAGE_BYTES
+from adapters.lsp.transport import MAX_MESSAGE_BYTES
 from tests.checkpoints import write
 from tests.daemon_fixture import daemon_env, mtplxd_command, running_daemon, stop_process
 

@@ -1,0 +1,1 @@
+"""The HTTP app: OpenAI- and Anthropic-style APIs, sessions, health, metrics, and its guards."""

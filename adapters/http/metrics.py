@@ -1,0 +1,126 @@
+"""Prometheus metrics of one app, in its own CollectorRegistry.
+
+Each app owns its registry (never prometheus_client's global one), so two
+apps in one process (tests, or a daemon restarted in-process) never collide.
+Engine-side numbers arrive through the scheduler's `on_event` hook on the
+worker thread (prometheus_client is thread-safe); queue gauges are read from
+`scheduler.stats()` at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from adapters.http.sessions import SessionCollector
+from mtplxd.jobs import Done, TextDelta
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Paths worth a label of their own; anything else is "other", so a scanner
+# probing random URLs cannot grow the label set without bound.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics",
+             "/v1/sessions", "/v1/messages", "/v1/messages/count_tokens",
+             "/mcp")
+STATES = ("loading", "ready", "failed", "stopping", "stopped")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("mtplxd_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.cancelled = Counter("mtplxd_cancelled_requests", "Requests cancelled before they finished "
+                                 "(client gone)", ["endpoint"], registry=r)
+        self.queue_depth = Gauge("mtplxd_queue_depth", "Requests waiting for a slot, by priority class",
+                                 ["class"], registry=r)
+        self.active = Gauge("mtplxd_active_generations", "Jobs holding an engine slot", registry=r)
+        self.state = Enum("mtplxd_model_state", "Model lifecycle state", states=list(STATES), registry=r)
+        self.ttft = Histogram("mtplxd_time_to_first_token_seconds", "Submit to first generated token",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.decode_rate = Histogram("mtplxd_decode_tokens_per_second", "Decode speed of finished generations",
+                                     buckets=(1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 200, 300, 500, 1000),
+                                     registry=r)
+        self.prompt_tokens = Counter("mtplxd_prompt_tokens", "Prompt tokens of finished generations", registry=r)
+        self.completion_tokens = Counter("mtplxd_completion_tokens", "Generated tokens", registry=r)
+        self.drafted = Counter("mtplxd_mtp_drafted_tokens", "MTP draft tokens proposed, by draft depth",
+                               ["depth"], registry=r)
+        self.accepted = Counter("mtplxd_mtp_accepted_tokens", "MTP draft tokens accepted, by draft depth",
+                                ["depth"], registry=r)
+        self.acceptance = Gauge("mtplxd_mtp_acceptance_ratio", "Accepted / drafted since start, by draft depth",
+                                ["depth"], registry=r)
+        self._tallies: dict[str, list[int]] = {}  # depth -> [drafted, accepted], for the ratio
+
+    def attach(self, scheduler: Any) -> None:
+        """Chain onto the scheduler's event hook, keeping any hook set before."""
+        previous = scheduler.on_event
+
+        def hook(entry: Any, event: Any) -> None:
+            if previous is not None:
+                previous(entry, event)
+            self.observe(event)
+
+        scheduler.on_event = hook
+        self.registry.register(SessionCollector(scheduler))  # session-bank counters, read at scrape time
+
+    def observe(self, event: Any) -> None:
+        if isinstance(event, TextDelta):
+            for i, ok in enumerate(event.accepted):
+                self._count_draft(str(i + 1), ok)
+        elif isinstance(event, Done):
+            self.ttft.observe(event.time_to_first_token_s)
+            if event.decode_tokens_per_s > 0:
+                self.decode_rate.observe(event.decode_tokens_per_s)
+            self.prompt_tokens.inc(event.usage.prompt_tokens)
+            self.completion_tokens.inc(event.usage.completion_tokens)
+
+    def _count_draft(self, depth: str, ok: bool) -> None:
+        self.drafted.labels(depth).inc()
+        tally = self._tallies.setdefault(depth, [0, 0])
+        tally[0] += 1
+        if ok:
+            self.accepted.labels(depth).inc()
+            tally[1] += 1
+
+    def render(self, stats: Any) -> bytes:
+        """The Prometheus text exposition, with the queue gauges read now."""
+        for name, count in stats.queued_by_class.items():
+            self.queue_depth.labels(name).set(count)
+        self.active.set(stats.active)
+        if stats.state in STATES:
+            self.state.state(stats.state)
+        for depth, (drafted, accepted) in list(self._tallies.items()):
+            self.acceptance.labels(depth).set(accepted / drafted if drafted else 0.0)
+        return generate_latest(self.registry)
+
+
+def endpoint_label(path: str) -> str:
+    if path.startswith("/v1/models"):
+        return "/v1/models"  # also /v1/models/{id}
+    return path if path in ENDPOINTS else "other"
+
+
+class RequestCounter:
+    """ASGI middleware: counts every HTTP response by endpoint and status,
+    errors raised past the app's handlers included (as 500)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(endpoint_label(scope["path"]), str(status[0])).inc()

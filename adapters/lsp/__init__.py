@@ -1,0 +1,1 @@
+"""The LSP server on the daemon's socket: documents, inline completions, framing."""

@@ -1,0 +1,122 @@
+"""The engine side of the LSP adapter: one completion as one scheduler job.
+
+`generate` submits an interactive-class job and reads its events, applying the
+stop rules of adapters/lsp/postprocess.py to the text as it streams (so the job
+ends as soon as one fires) and a time budget that, once spent, ends a multi-line
+completion at the next line break. The ticket is cancelled on every way out, so
+an abandoned request never keeps the engine busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+from pygls.exceptions import JsonRpcException
+
+from adapters.lsp.documents import Options, PromptBuilder
+from adapters.lsp.postprocess import Cursor, trim
+from mtplxd.jobs import Done, Failed, TextDelta, TextRequest
+from mtplxd.scheduler import NotReady, QueueFull
+
+REQUEST_FAILED = -32803  # LSP 3.17 RequestFailed: a well-formed request the server could not serve
+
+
+class RequestFailed(JsonRpcException):
+    CODE = REQUEST_FAILED
+    MESSAGE = "Request Failed"
+
+
+@dataclass
+class ConnectionStats:
+    requests: int = 0  # completion requests received
+    answered: int = 0  # ... answered with a suggestion
+    empty: int = 0  # ... answered with none
+    cancelled: int = 0  # ... answered with the cancellation error (superseded, edited, $/cancelRequest)
+    stale: int = 0  # ... whose result was for an older version (dropped)
+    skipped: int = 0  # ... not sent to the engine by the line-mode rules or `enable: false`
+    cache_hits: int = 0  # ... answered by type-ahead
+    jobs_started: int = 0  # scheduler jobs submitted
+    jobs_cancelled: int = 0  # ... cancelled before their end
+    jobs_completed: int = 0  # ... run to their end (or to a stop rule)
+
+
+async def generate(scheduler: Any, request: TextRequest, cursor: Cursor, budget_ms: int,
+                   stats: ConnectionStats) -> str:
+    """Run one job to its end or to the first stop rule; the ticket is released on every path."""
+    try:
+        ticket = scheduler.submit(request)
+    except (QueueFull, NotReady) as e:
+        raise RequestFailed(str(e)) from None
+    stats.jobs_started += 1
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_ms / 1000
+    spent_at: int | None = None  # length of the text when the time budget ran out
+    text, ended = "", False
+    try:
+        while not ended:
+            try:
+                event = await ticket.next_event()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if isinstance(event, TextDelta):
+                text, ended = trim(text + event.text, cursor)
+                if not ended and not cursor.mid_line and loop.time() > deadline:
+                    spent_at = len(text) if spent_at is None else spent_at
+                    cut = text.find("\n", spent_at)
+                    if cut >= 0:
+                        text, ended = text[:cut], True
+            elif isinstance(event, Done):
+                ended = True
+            elif isinstance(event, Failed):
+                if event.kind == "shutdown":
+                    return ""
+                raise RequestFailed(event.message)
+    finally:
+        ticket.cancel()
+        if ended:
+            stats.jobs_completed += 1
+        else:
+            stats.jobs_cancelled += 1
+    return text
+
+
+async def ready_engine(scheduler: Any) -> Any:
+    """The loaded engine, once it is (a request waits while the model loads)."""
+    while scheduler.state == "loading":
+        await asyncio.sleep(0.05)
+    if scheduler.state == "ready":
+        return scheduler.engine
+    if scheduler.state == "failed":
+        raise RequestFailed(f"the model failed to load: {scheduler.load_error}")
+    raise RequestFailed("the daemon is shutting down")
+
+
+_BUILDER: tuple[Any, PromptBuilder] | None = None
+
+
+def prompt_builder(engine: Any) -> PromptBuilder:
+    """One prompt builder for the loaded model (its token counts are shared by every connection)."""
+    global _BUILDER
+    if _BUILDER is None or _BUILDER[0] is not engine:
+        try:
+            _BUILDER = (engine, PromptBuilder(engine.tokenizer))
+        except ValueError as e:  # no FIM tokens
+            raise RequestFailed(f"the loaded model cannot complete code in editors: {e}") from None
+    return _BUILDER[1]
+
+
+def fit_options(options: Options, context_length: int) -> Options:
+    """Budgets that leave room for the completion in the model's context (2/3 document, 1/3 others)."""
+    room = max(32, context_length - options.max_tokens - 8)
+    if options.context_tokens + options.workspace_context_tokens <= room:
+        return options
+    return replace(options, context_tokens=min(options.context_tokens, max(16, room * 2 // 3)),
+                   workspace_context_tokens=min(options.workspace_context_tokens, room // 3))
+
+
+def snippet_text(text: str) -> str:
+    """Plain text as an LSP snippet that expands to exactly that text."""
+    return text.replace("\\", "\\\\").replace("$", "\\$").replace("}", "\\}")

@@ -1,0 +1,331 @@
+"""The LSP adapter: inline completions for editors, through the one scheduling queue.
+
+The daemon serves LSP on a unix socket in its state dir (`lsp.sock`, 0600; see
+adapters/lsp/transport.py); each connection gets its own `CompletionServer`, a
+pygls LanguageServer, and every completion it asks for is an interactive-class
+job of the shared scheduler. Editors spawn `mtplxd lsp` (mtplxd/shims/lsp_bridge.py),
+which pipes their stdio to that socket. The prompt, settings and documents are
+in adapters/lsp/documents.py, the line-mode and post-processing rules in
+adapters/lsp/postprocess.py, the scheduler job in adapters/lsp/completions.py.
+
+- `textDocument/inlineCompletion` (LSP 3.18) when the client declares it, else the
+  `textDocument/completion` fallback: one item, a zero-width text edit at the
+  cursor, as a snippet where the client takes snippets (Neovim inserts only the first
+  word of a plain-text item) (initializationOptions `provider`: auto | inline |
+  completion | both).
+- Incremental sync; UTF-16 positions unless the client offers another encoding.
+- Cancellation: a new request for a document supersedes the one in flight, an edit
+  to the document cancels it, and so does `$/cancelRequest`; each cancels the
+  scheduler ticket (the engine drops the job before its next step) and the reply
+  is the LSP cancellation error (-32800). A result computed for an older version
+  of the document is never returned (-32801, content modified).
+- Automatic requests wait `debounceMs` first (a superseding keystroke cancels
+  them there, before any engine work); explicitly invoked ones do not.
+- The last suggestion per document answers a request whose typed text is its start
+  (type-ahead), without the engine.
+- Settings: initializationOptions and workspace/didChangeConfiguration (see
+  adapters/lsp/documents.Options). Command `mtplxd.status` [uri] reports this
+  connection's counters, settings, folders, the document's workspace and the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from lsprotocol import types
+from pygls.exceptions import JsonRpcContentModified, JsonRpcInvalidParams, JsonRpcServerNotInitialized
+from pygls.lsp.server import LanguageServer
+from pygls.protocol import LanguageServerProtocol
+from pygls.protocol.language_server import lsp_method
+
+from adapters.lsp.documents import ContextDocument, Options, snapshot, uri_path, workspace_of
+from adapters.lsp.completions import (
+    ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_engine, snippet_text,
+)
+from adapters.lsp.postprocess import TypeAheadCache, automatic_allowed, finalize, stop_strings
+from engine.sampling import SamplerSettings
+from mtplxd.jobs import Priority, TextRequest
+
+log = logging.getLogger("mtplxd.lsp")
+
+STATUS_COMMAND = "mtplxd.status"
+TRIGGER_CHARACTERS = [".", "(", "[", "{", ",", ":", "=", " "]
+_EXPECTED = (JsonRpcInvalidParams, JsonRpcContentModified, JsonRpcServerNotInitialized, RequestFailed)
+
+
+@dataclass(eq=False)
+class _Pending:
+    task: asyncio.Task
+    version: int | None
+
+
+class _Protocol(LanguageServerProtocol):
+    @lsp_method(types.EXIT)
+    def lsp_exit(self, *args: Any) -> None:
+        """End this connection, never the daemon (pygls' own handler exits the process)."""
+        self._server.close()  # type: ignore[attr-defined]
+
+    def _send_handler_result(self, future: Any, *, msg_id: Any) -> None:
+        # Errors the client caused (or that editing causes) are answered without a logged traceback.
+        if not future.cancelled() and isinstance(future.exception(), _EXPECTED):
+            self._request_futures.pop(msg_id, None)
+            self._send_response(msg_id, error=future.exception().to_response_error())
+            return
+        super()._send_handler_result(future, msg_id=msg_id)
+
+
+class CompletionServer(LanguageServer):
+    """One editor connection."""
+
+    def __init__(self, scheduler: Any):
+        super().__init__("mtplxd", _version(), types.TextDocumentSyncKind.Incremental, protocol_cls=_Protocol)
+        self.scheduler = scheduler
+        self.options = Options()
+        self.cache = TypeAheadCache()
+        self.pending: dict[str, _Pending] = {}
+        self.stats = ConnectionStats()
+        self.closed = False
+        self.snippets = False  # the client expands snippets (set at initialize)
+        self._register(types.INITIALIZE, self._initialize)
+        self._register(types.TEXT_DOCUMENT_DID_CHANGE, self._did_change)
+        self._register(types.TEXT_DOCUMENT_DID_CLOSE, self._did_close)
+        self._register(types.WORKSPACE_DID_CHANGE_CONFIGURATION, self._did_change_configuration)
+        self._register(types.WORKSPACE_DID_CHANGE_WORKSPACE_FOLDERS, self._did_change_folders)
+        self.command(STATUS_COMMAND)(lambda *args: self._status(*args))
+
+    def _register(self, name: str, method: Any, options: Any = None) -> None:
+        """pygls marks its handlers with attributes, which bound methods cannot carry: wrap them."""
+        if asyncio.iscoroutinefunction(method):
+            async def handler(params: Any) -> Any:
+                return await method(params)
+        else:
+            def handler(params: Any) -> Any:
+                return method(params)
+        self.feature(name, options)(handler)
+
+    # -- lifecycle and settings ------------------------------------------------------
+
+    def _initialize(self, params: types.InitializeParams) -> None:
+        self._apply_settings(Options(), params.initialization_options)
+        self._open_folders([params.root_uri, *(f.uri for f in params.workspace_folders or ())])
+        text = params.capabilities.text_document
+        has_inline = text is not None and text.inline_completion is not None
+        item = text.completion.completion_item if text is not None and text.completion is not None else None
+        # Some clients (Neovim) insert only the first word of a plain-text item: a snippet goes whole.
+        self.snippets = bool(item is not None and item.snippet_support)
+        provider = self.options.provider
+        features = self.protocol.fm.features
+        if provider in ("inline", "both") or (provider == "auto" and has_inline):
+            if types.TEXT_DOCUMENT_INLINE_COMPLETION not in features:
+                self._register(types.TEXT_DOCUMENT_INLINE_COMPLETION, self._inline_completion,
+                               types.InlineCompletionOptions())
+        if provider in ("completion", "both") or (provider == "auto" and not has_inline):
+            if types.TEXT_DOCUMENT_COMPLETION not in features:
+                options = types.CompletionOptions(trigger_characters=TRIGGER_CHARACTERS, resolve_provider=False)
+                self._register(types.TEXT_DOCUMENT_COMPLETION, self._completion, options)
+
+    def _did_change_folders(self, params: types.DidChangeWorkspaceFoldersParams) -> None:
+        self._open_folders([f.uri for f in params.event.added])
+
+    def _open_folders(self, uris: list[str | None]) -> None:
+        """Tell the daemon's registry which folders this editor opened: MCP tools may use them."""
+        registry = getattr(self.scheduler, "workspaces", None)  # None: a daemon without one (tests)
+        paths = [uri_path(uri) for uri in uris if uri]
+        for path in filter(None, paths if registry is not None else ()):
+            registry.open_in_editor(path)
+
+    def _did_change_configuration(self, params: types.DidChangeConfigurationParams) -> None:
+        self._apply_settings(self.options, params.settings)
+
+    def _apply_settings(self, base: Options, raw: Any) -> None:
+        self.options, warnings = base.merged(raw)
+        for warning in warnings:
+            self.window_log_message(types.LogMessageParams(types.MessageType.Warning, warning))
+
+    def close(self) -> None:
+        """Drop the connection: cancel what it has in flight (their tickets with them)."""
+        if self.closed:
+            return
+        self.closed = True
+        writer, self.protocol.writer = self.protocol.writer, _NullWriter()
+        for pending in list(self.pending.values()):
+            pending.task.cancel()
+        for future in list(self.protocol._request_futures.values()):
+            future.cancel()
+        if writer is not None:
+            writer.close()
+
+    # -- documents -------------------------------------------------------------------
+
+    def _did_change(self, params: types.DidChangeTextDocumentParams) -> None:
+        self._drop_stale(unquote(params.text_document.uri), params.text_document.version)
+
+    def _did_close(self, params: types.DidCloseTextDocumentParams) -> None:
+        key = unquote(params.text_document.uri)
+        self._drop_stale(key, None)
+        self.cache.drop(key)
+
+    def _drop_stale(self, key: str, version: int | None) -> None:
+        pending = self.pending.get(key)
+        if pending is not None and (version is None or pending.version != version):
+            pending.task.cancel()  # its result would be for text that is gone
+
+    def workspace_for(self, key: str) -> str | None:
+        return workspace_of(key, self.workspace.folders.keys(), self.workspace.root_uri)
+
+    # -- completions -----------------------------------------------------------------
+
+    async def _inline_completion(self, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+        explicit = params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
+        text = await self._suggest(params.text_document.uri, params.position, explicit)
+        position = params.position
+        items = [types.InlineCompletionItem(insert_text=text, range=types.Range(position, position))] if text else []
+        return types.InlineCompletionList(items=items)
+
+    async def _completion(self, params: types.CompletionParams) -> types.CompletionList:
+        # Typing and Ctrl-Space both say `Invoked` here: every request counts as automatic.
+        text = await self._suggest(params.text_document.uri, params.position, explicit=False)
+        if not text:
+            return types.CompletionList(is_incomplete=True, items=[])
+        label = next((line.strip() for line in text.split("\n") if line.strip()), text)
+        item = types.CompletionItem(
+            label=label if len(label) <= 60 else label[:59] + "…",
+            kind=types.CompletionItemKind.Snippet,
+            detail="mtplxd",
+            documentation=types.MarkupContent(types.MarkupKind.PlainText, text),
+            text_edit=types.TextEdit(types.Range(params.position, params.position),
+                                     snippet_text(text) if self.snippets else text),
+            insert_text_format=types.InsertTextFormat.Snippet if self.snippets else types.InsertTextFormat.PlainText,
+            filter_text=label,
+            sort_text="0",
+            preselect=True,
+        )
+        return types.CompletionList(is_incomplete=True, items=[item])
+
+    async def _suggest(self, uri: str, position: types.Position, explicit: bool) -> str:
+        """The suggestion at `position`, "" for none. Everything up to registering the
+        request is synchronous: the snapshot belongs to the version the request saw."""
+        key = unquote(uri)
+        try:
+            document = self.workspace.text_documents.get(key)
+        except RuntimeError:
+            raise JsonRpcServerNotInitialized("initialize first") from None
+        if document is None:
+            raise JsonRpcInvalidParams(f"unknown document {uri}: send textDocument/didOpen first")
+        try:
+            snap = snapshot(uri, document, position.line, position.character)
+        except ValueError as e:
+            raise JsonRpcInvalidParams(str(e)) from None
+        self.stats.requests += 1
+        me = _Pending(asyncio.current_task(), snap.version)
+        previous = self.pending.get(key)
+        if previous is not None:
+            previous.task.cancel()  # superseded
+        self.pending[key] = me
+        try:
+            text = await self._compute(key, snap, explicit)
+        except asyncio.CancelledError:
+            self.stats.cancelled += 1
+            raise
+        finally:
+            if self.pending.get(key) is me:
+                del self.pending[key]
+        if text:
+            self.stats.answered += 1
+        else:
+            self.stats.empty += 1
+        return text
+
+    async def _compute(self, key: str, snap: Any, explicit: bool) -> str:
+        options = self.options
+        if not options.enable or (not explicit and not automatic_allowed(snap.cursor)):
+            self.stats.skipped += 1
+            return ""
+        cached = self.cache.get(key, snap.prefix, snap.suffix)
+        if cached:
+            self.stats.cache_hits += 1
+            return cached
+        if not explicit and options.debounce_ms:
+            await asyncio.sleep(options.debounce_ms / 1000)
+        engine = await ready_engine(self.scheduler)
+        builder = prompt_builder(engine)
+        options = fit_options(options, engine.context_length)
+        workspace = self.workspace_for(key)
+        ids, heal = builder.build(snap, options, self._display_path(key, workspace), self._context(key, workspace),
+                                  os.path.basename(workspace or ""))
+        request = TextRequest(
+            prompt_ids=tuple(ids),
+            heal=heal,
+            continuation=True,
+            max_tokens=options.max_tokens,
+            sampler=SamplerSettings(temperature=options.temperature),
+            stop=stop_strings(snap.cursor),
+            priority=Priority.INTERACTIVE,
+            workspace=workspace,
+        )
+        raw = await generate(self.scheduler, request, snap.cursor, options.time_budget_ms, self.stats)
+        text = finalize(raw, snap.cursor)
+        document = self.workspace.text_documents.get(key)
+        if document is None or document.version != snap.version:
+            self.stats.stale += 1
+            raise JsonRpcContentModified(f"{key} changed (version {snap.version}) while completing")
+        self.cache.put(key, snap.prefix, snap.suffix, text)
+        return text
+
+    def _display_path(self, key: str, workspace: str | None) -> str:
+        path = uri_path(key) or key
+        return os.path.relpath(path, workspace) if workspace else os.path.basename(path)
+
+    def _context(self, key: str, workspace: str | None) -> list[ContextDocument]:
+        """The other open documents of the same workspace."""
+        if workspace is None or self.options.workspace_context_tokens <= 0:
+            return []
+        return [
+            ContextDocument(uri, doc.version, self._display_path(uri, workspace), doc.language_id, doc.source)
+            for uri, doc in self.workspace.text_documents.items()
+            if uri != key and self.workspace_for(uri) == workspace
+        ]
+
+    # -- introspection ---------------------------------------------------------------
+
+    def _status(self, *args: Any) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "pid": os.getpid(),
+            "connection": asdict(self.stats),
+            "pending": len(self.pending),
+            "options": self.options.as_json(),
+            "workspaceFolders": sorted(filter(None, (uri_path(f) for f in self.workspace.folders))),
+            "scheduler": asdict(self.scheduler.stats()),
+        }
+        if args and isinstance(args[0], str):
+            key = unquote(args[0])
+            document = self.workspace.text_documents.get(key)
+            report["document"] = {
+                "uri": args[0],
+                "open": document is not None,
+                "version": document.version if document else None,
+                "workspace": self.workspace_for(key),
+            }
+        return report
+
+
+class _NullWriter:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mtplxd")
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,182 @@
+"""The daemon's LSP socket: `<state_dir>/lsp.sock`, 0600, one CompletionServer per connection.
+
+    serve_lsp(scheduler, settings)   # a task of the daemon's task group; runs until cancelled
+
+Messages are framed as the LSP says (Content-Length headers). The read loop is
+ours rather than pygls' so that a request whose params do not match the LSP types
+(a negative position, a missing field) is answered with a JSON-RPC error instead
+of being dropped, and so that a connection ending never ends the process.
+
+Hostile framing is answered in JSON-RPC's own form, framed like any other message:
+a Content-Length that is not a byte count, or none at all, loses track of where the
+next message starts, so one -32700 error (id null) is sent and the connection closed;
+a Content-Length over MAX_MESSAGE_BYTES still says where the next message starts, so
+that many bytes are skipped (never held in memory), -32600 is sent and the connection
+goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import cattrs
+from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
+
+from adapters.lsp.server import CompletionServer
+from mtplxd.shims.lsp_bridge import LSP_SOCKET
+
+log = logging.getLogger("mtplxd.lsp")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SKIP_CHUNK_BYTES = 1024 * 1024  # an oversized body is read and dropped this much at a time
+MAX_COUNT_DIGITS = 18
+
+
+class FramingLost(Exception):
+    """The headers of a message do not say where it ends; str(e) names the bad header."""
+
+
+async def serve_lsp(scheduler: Any, settings: Any) -> None:
+    path = Path(settings.state_dir) / LSP_SOCKET
+    # pygls logs every message it sends at INFO: document text has no place in the daemon's log.
+    logging.getLogger("pygls").setLevel(logging.WARNING)
+    connections: set[CompletionServer] = set()
+
+    async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        server = None
+        try:
+            server = CompletionServer(scheduler)
+            connections.add(server)
+            await serve_connection(server, reader, writer)
+        except Exception:
+            log.exception("LSP connection failed")
+        finally:
+            if server is not None:
+                server.close()
+                connections.discard(server)
+            writer.close()
+
+    try:
+        path.unlink(missing_ok=True)  # a dead daemon's socket: the state dir's lock is ours now
+        server = await asyncio.start_unix_server(connected, path=str(path), limit=MAX_MESSAGE_BYTES)
+        os.chmod(path, 0o600)
+    except OSError as e:
+        log.error("cannot serve LSP on %s: %s; editors cannot connect", path, e)
+        return
+    log.info("LSP on %s", path)
+    try:
+        await server.serve_forever()
+    finally:
+        server.close()
+        for connection in list(connections):
+            connection.close()
+        path.unlink(missing_ok=True)
+
+
+async def serve_connection(server: CompletionServer, reader: asyncio.StreamReader, writer: Any) -> None:
+    server.protocol.set_writer(writer)
+    try:
+        while not server.closed:
+            try:
+                length = await _read_headers(reader)
+            except FramingLost as e:
+                log.warning("LSP: %s; closing the connection", e)
+                _error(server, None, -32700, f"Parse error: {e}; closing the connection")
+                break  # the transport sends what it holds before it closes
+            if length is None:
+                break
+            if length > MAX_MESSAGE_BYTES:
+                await _skip(server, reader, length)
+                continue
+            dispatch(server, await reader.readexactly(length))
+            # Let a request's handler take its document snapshot before the next message
+            # (perhaps an edit) is applied: a request sees the text it was sent against.
+            await asyncio.sleep(0)
+    except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+        pass
+
+
+async def _read_headers(reader: asyncio.StreamReader) -> int | None:
+    """The Content-Length of the next message (perhaps over MAX_MESSAGE_BYTES); None at the
+    end of the stream. FramingLost when it is not a byte count, or the headers have none."""
+    length = None
+    headers = False  # a header line of this message was read
+    while True:
+        line = await reader.readline()
+        if not line:
+            return None
+        if not line.strip():
+            if length is not None:
+                return length
+            if headers:
+                raise FramingLost("headers without a Content-Length header")
+            continue  # stray blank line between messages
+        headers = True
+        name, _, value = line.decode("ascii", "replace").partition(":")
+        if name.strip().lower() == "content-length":
+            count = value.strip()
+            # More digits than any stream carries bytes: int() would refuse the longest ones.
+            if not count.isdigit() or len(count) > MAX_COUNT_DIGITS:
+                shown = line.decode("ascii", "replace").strip()[:80]
+                raise FramingLost(f"bad header {shown!r}: Content-Length must be a byte count")
+            length = int(count)
+
+
+async def _skip(server: CompletionServer, reader: asyncio.StreamReader, length: int) -> None:
+    """Drop an oversized body a chunk at a time (the framing still holds), then say why."""
+    left = length
+    while left > 0:
+        chunk = await reader.read(min(left, SKIP_CHUNK_BYTES))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", left)
+        left -= len(chunk)
+    log.warning("LSP: skipped a message of %d bytes (limit %d)", length, MAX_MESSAGE_BYTES)
+    _error(server, None, -32600,
+           f"Invalid Request: a message of {length} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes")
+
+
+def dispatch(server: CompletionServer, body: bytes) -> None:
+    protocol = server.protocol
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        _error(server, None, -32700, f"Parse error: {e}")
+        return
+    if not isinstance(data, dict) or data.get("jsonrpc") != "2.0":
+        _error(server, data.get("id") if isinstance(data, dict) else None, -32600,
+               "Invalid Request: expected a JSON-RPC 2.0 object")
+        return
+    try:
+        message = _structure(protocol, data)
+    except (cattrs.BaseValidationError, JsonRpcException, ValueError, TypeError, KeyError) as e:
+        method = data.get("method")
+        if "id" in data and method is not None:
+            detail = "; ".join(cattrs.transform_error(e)) if isinstance(e, cattrs.BaseValidationError) else str(e)
+            _error(server, data["id"], JsonRpcInvalidParams.CODE, f"Invalid params for {method}: {detail}")
+        else:
+            log.warning("LSP: dropped a malformed message (%s)", method or "no method")
+        return
+    try:
+        protocol.handle_message(message)
+    except Exception:
+        log.exception("LSP: failed to handle %s", data.get("method"))
+        if "id" in data and "method" in data:
+            _error(server, data["id"], -32603, "Internal error")
+
+
+def _structure(protocol: Any, data: dict) -> Any:
+    """A request or notification as its LSP type (raising on params that do not fit it);
+    anything else as pygls reads it."""
+    message_type = protocol.get_message_type(data["method"]) if "method" in data else None
+    if message_type is None:
+        return protocol.structure_message(data)
+    return protocol._converter.structure(data, message_type)
+
+
+def _error(server: CompletionServer, msg_id: Any, code: int, message: str) -> None:
+    server.protocol._send_data({"jsonrpc": "2.0", "id": msg_id, "error": {"code": code, "message": message}})

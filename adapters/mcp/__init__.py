@@ -1,0 +1,1 @@
+"""The MCP server (Streamable HTTP at /mcp): its tools, resources, prompts and path rules."""

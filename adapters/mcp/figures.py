@@ -1,0 +1,219 @@
+"""What the MCP server reports about the daemon: the model's facts, the status tool's
+figures, the model card, per-workspace figures and the metrics resource.
+
+Per-workspace figures come from the session bank and from a tally of the jobs the
+scheduler finished (`WorkspaceTally`, on the scheduler's event hook).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from adapters.mcp.schema import QueueFigures, StatusResult, WorkspaceFigures
+from adapters.http.openai_schema import ModelInfo
+from engine.prompts import fim_tokens, has_chat_template
+from mtplxd.jobs import Done, Warmed
+
+
+@dataclass
+class _Tally:
+    jobs: int = 0
+    warmups: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    last_used: float | None = None
+
+
+class WorkspaceTally:
+    """Figures per TextRequest.workspace, counted from the Done events of the jobs
+    the scheduler ran (its `on_event` hook, on the worker thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tallies: dict[str, _Tally] = {}
+
+    def attach(self, scheduler: Any) -> None:
+        previous = scheduler.on_event
+
+        def hook(entry: Any, event: Any) -> None:
+            if previous is not None:
+                previous(entry, event)
+            self.observe(entry.request, event)
+
+        scheduler.on_event = hook
+
+    def observe(self, request: Any, event: Any) -> None:
+        workspace = getattr(request, "workspace", None)
+        if workspace is None or not isinstance(event, (Done, Warmed)):
+            return
+        with self._lock:
+            tally = self._tallies.setdefault(workspace, _Tally())
+            if isinstance(event, Warmed):
+                tally.warmups += 1
+                tally.prompt_tokens += event.prompt_tokens
+                tally.cached_tokens += event.cached_tokens
+            else:
+                tally.jobs += 1
+                tally.prompt_tokens += event.usage.prompt_tokens
+                tally.cached_tokens += event.usage.cached_tokens
+                tally.completion_tokens += event.usage.completion_tokens
+            tally.last_used = time.time()
+
+    def figures(self, workspace: str) -> WorkspaceFigures:
+        with self._lock:
+            tally = _Tally(**asdict(self._tallies.get(workspace, _Tally())))
+        return _figures(workspace, tally)
+
+    def all(self) -> list[WorkspaceFigures]:
+        with self._lock:
+            items = [(w, _Tally(**asdict(t))) for w, t in self._tallies.items()]
+        items.sort(key=lambda item: item[1].last_used or 0, reverse=True)
+        return [_figures(w, t) for w, t in items]
+
+
+def _figures(workspace: str, tally: _Tally) -> WorkspaceFigures:
+    last = datetime.fromtimestamp(tally.last_used, timezone.utc).isoformat(timespec="seconds") \
+        if tally.last_used else None
+    return WorkspaceFigures(workspace=workspace, jobs=tally.jobs, warmups=tally.warmups,
+                            prompt_tokens=tally.prompt_tokens, cached_tokens=tally.cached_tokens,
+                            completion_tokens=tally.completion_tokens, last_used=last)
+
+
+class Figures:
+    """The daemon as the tools and resources describe it, from the scheduler, the
+    settings, the metrics and the workspace tally (attached to the scheduler here)."""
+
+    def __init__(self, scheduler: Any, settings: Any, metrics: Any = None):
+        self.scheduler = scheduler
+        self.settings = settings
+        self.metrics = metrics
+        self.started = time.monotonic()
+        self.workspaces = WorkspaceTally()
+        self.workspaces.attach(scheduler)
+        self._model: ModelInfo | None = None
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def model_id(self) -> str | None:
+        engine = self.scheduler.engine
+        if engine is not None:
+            return engine.path.name
+        try:
+            configured = getattr(self.settings, "model_path", None)
+        except Exception:
+            configured = None
+        return Path(str(configured)).name if configured else None
+
+    def model_info(self) -> ModelInfo | None:
+        if self._model is None and self.scheduler.state == "ready" and self.scheduler.engine is not None:
+            self._model = ModelInfo.from_engine(self.scheduler.engine, getattr(self.settings, "depth", None))
+        return self._model
+
+    def model_card(self) -> dict[str, Any]:
+        info, engine = self.model_info(), self.scheduler.engine
+        card: dict[str, Any] = {"id": self.model_id(), "state": self.scheduler.state}
+        if self.scheduler.load_error:
+            card["load_error"] = self.scheduler.load_error
+        if info is None or engine is None:
+            return card
+        descriptor = engine.descriptor
+        try:
+            fim_tokens(info.tokenizer)
+            fim = True
+        except ValueError:
+            fim = False
+        card.update(
+            path=str(engine.path),
+            family=descriptor.family if descriptor else None,
+            mtp_heads=engine.backend.n_heads,
+            depth_range=list(descriptor.depth_range) if descriptor else [0, 0],
+            default_depth=self._depth(0.0) or None,
+            context_length=info.context_length,
+            vocab_size=info.vocab_size,
+            sampler_defaults={"temperature": info.temperature, "top_p": info.top_p, "top_k": info.top_k},
+            chat_template=has_chat_template(info.tokenizer),
+            fill_in_the_middle=fim,
+        )
+        return card
+
+    # -- the daemon --------------------------------------------------------------------------
+
+    def bank(self) -> Any:
+        """The daemon's session bank (engine/sessions/bank.py) when it is on, else None."""
+        bank = getattr(self.scheduler, "bank", None)
+        return bank if bank is not None and getattr(bank, "enabled", False) else None
+
+    def _watched(self) -> list[str] | None:
+        """The workspaces the daemon watches for changed files; None without a watcher."""
+        registry = getattr(self.scheduler, "workspaces", None)
+        return registry.watched() if registry is not None else None
+
+    def session_bank_figures(self) -> dict[str, Any] | None:
+        bank = self.bank()
+        if bank is None:
+            return None
+        figures = _as_dict(bank.stats())
+        watched = self._watched()
+        if watched is not None:
+            figures["watched_workspaces"] = watched
+        return figures
+
+    def workspace_figures(self, workspace: str) -> dict[str, Any]:
+        """One workspace: the scheduler's tally, its session-bank entries, whether it is watched."""
+        body: dict[str, Any] = self.workspaces.figures(workspace).model_dump()
+        bank = self.bank()
+        entries = None
+        if bank is not None:
+            found = [s for s in bank.workspaces() if s.workspace == workspace]
+            entries = {**_as_dict(found[0]), "hits": found[0].hits} if found else {"entries": 0, "hits": 0}
+            entries.pop("workspace", None)
+        body["session_bank"] = entries
+        body["watched"] = workspace in (self._watched() or ())
+        return body
+
+    def _profile(self) -> str:
+        planner = getattr(self.scheduler, "planner", None)
+        return planner.profile.name if planner is not None else getattr(self.settings, "profile", None) or "auto"
+
+    def _depth(self, temperature: float) -> int:
+        """The depth a request at `temperature` decodes with (0: AR, or not loaded)."""
+        planner = getattr(self.scheduler, "planner", None)
+        if planner is None:
+            return 0
+        plan = planner.plan(temperature)
+        return plan.depth if plan.mode == "mtp" else 0
+
+    def status(self) -> StatusResult:
+        stats = self.scheduler.stats()
+        engine = self.scheduler.engine
+        descriptor = getattr(engine, "descriptor", None)
+        return StatusResult(
+            state=stats.state,
+            model=self.model_id(),
+            family=getattr(descriptor, "family", None) if engine is not None else None,
+            mtp_heads=engine.backend.n_heads if engine is not None else None,
+            profile=self._profile(),
+            depth=self._depth(0.0),
+            context_length=getattr(engine, "context_length", None),
+            load_error=self.scheduler.load_error,
+            uptime_s=round(time.monotonic() - self.started, 3),
+            queue=QueueFigures(active=stats.active, queued_by_class=stats.queued_by_class,
+                               completed=stats.completed, cancelled=stats.cancelled, steps=stats.steps),
+            workspaces=self.workspaces.all(),
+            session_bank=self.session_bank_figures(),
+        )
+
+    def metrics_text(self) -> str:
+        if self.metrics is None:
+            return ""
+        return self.metrics.render(self.scheduler.stats()).decode()
+
+
+def _as_dict(figures: Any) -> dict[str, Any]:
+    return asdict(figures) if is_dataclass(figures) else dict(figures)

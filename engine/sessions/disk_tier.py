@@ -1,0 +1,270 @@
+"""The session bank's disk tier: loading, the byte budget, the writer thread, the manifest.
+
+An entry is written some seconds after it appears (a burst of requests supersedes
+most entries before they are written), at once when it leaves RAM, and all at
+once on flush or close. The manifest is rewritten after each file is in place;
+files it no longer lists are deleted only after that. Over budget, superseded
+files go first, then least recently used leaves. A disk hit is read and verified
+against the index; a bad file is set aside and counted. No file is touched while
+holding the bank's lock. What is on disk at start: engine/sessions/folder.py.
+
+A mixin of `SessionBank` (engine/sessions/bank.py), whose state it shares: the lock
+`_cond`, `_index`/`_entries`, `folder`, `model`, budgets and counters, the flags
+`_flushing`, `_closing`, `_manifest_dirty`, `_touched`, and the `_doomed` file list;
+it calls back the bank's `_drop` and `_victim`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine.sessions.files import Aborted, BadFile, read_snapshot, snapshot_metadata, write_json_atomic, write_snapshot
+from engine.sessions.folder import MANIFEST, manifest_record, prune_other_models, scan_folder, set_aside
+from engine.sessions.index import Entry
+from engine.sessions.state import FORMAT, Snapshot
+
+log = logging.getLogger("mtplxd.sessions")
+
+MANIFEST_RETRY_S = 5.0  # after a failed manifest write (a full disk) the next try waits this long
+
+# Below this much free space at start the disk tier stays off: what little room a nearly
+# full disk has left belongs to the user's own files (and to the daemon's small ones).
+MIN_FREE_BYTES = 64 << 20
+
+
+def full_disk_warning(root: Path) -> str | None:
+    """One line saying why the disk tier stays off when the disk of `root` (or of its
+    nearest existing parent) has less than MIN_FREE_BYTES free; None otherwise."""
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None  # cannot tell: the writes themselves will say (they fail softly)
+    free = st.f_bavail * st.f_frsize
+    if free >= MIN_FREE_BYTES:
+        return None
+    return (f"disk almost full ({free >> 10} KiB free on the disk of {root}, under {MIN_FREE_BYTES >> 20} MiB): "
+            f"the session bank keeps sessions in RAM only, lost on restart; free some space and restart mtplxd")
+
+
+def _write_warning(folder: Path, error: OSError) -> str:
+    return (f"session bank: cannot write to {folder} ({error.strerror or error}); "
+            f"new sessions stay in RAM only until a write succeeds")
+
+
+class DiskTier:
+    def _drain(self, deadline: float) -> None:
+        """Have the writer write everything now; wait (holding the lock) until it has or `deadline`."""
+        self._flushing = True
+        self._cond.notify_all()
+        while self._writer is not None and self._writer.is_alive() and (
+            self._pending_writes() or self._manifest_due(flushing=True)
+        ):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(min(left, 0.1))
+
+    def _pending_writes(self) -> int:
+        return sum(1 for e in self._entries.values() if (e.write_due is not None and not e.no_disk) or e.writing)
+
+    def _doom(self, entry: Entry) -> None:
+        """Delete the superseded files `entry` kept, with the next manifest."""
+        self._doomed += [r["file"] for r in entry.retained]
+        entry.retained = []
+
+    # -- the writer thread -----------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                entry = None
+                while True:
+                    if self.folder is not None:
+                        entry = self._next_write()
+                    if entry is not None or self._manifest_due(self._flushing):
+                        break
+                    if self._closing:
+                        return
+                    self._cond.wait(self._next_due_in())
+                if entry is not None:
+                    entry.writing = True
+                    snapshot = entry.snapshot
+            if entry is not None:
+                self._write_entry(entry, snapshot)
+            if self.folder is not None and (self._manifest_dirty or self._doomed or self._touched):
+                self._write_manifest()
+            elif self.folder is None:
+                with self._cond:
+                    self._manifest_dirty, self._touched, self._doomed = False, False, []
+            with self._cond:
+                self._cond.notify_all()
+
+    def _manifest_due(self, flushing: bool) -> bool:
+        """A manifest to write now; not while a failed write waits out MANIFEST_RETRY_S
+        (on a full disk it would fail again at once, in a loop)."""
+        wanted = self._manifest_dirty or bool(self._doomed) or (self._touched and flushing)
+        return wanted and self._clock() >= self._manifest_retry_at
+
+    def _next_write(self) -> Entry | None:
+        if self._closing and not self._flushing:
+            return None
+        now = self._clock()
+        due = [e for e in self._entries.values()
+               if e.write_due is not None and not e.no_disk and not e.writing and e.snapshot is not None
+               and (self._flushing or e.write_due <= now)]
+        return min(due, key=lambda e: e.write_due) if due else None
+
+    def _next_due_in(self) -> float | None:
+        dues = [e.write_due for e in self._entries.values() if e.write_due is not None and not e.no_disk]
+        if self._manifest_dirty or self._doomed:  # a manifest waiting out its retry delay
+            dues.append(self._manifest_retry_at)
+        if not dues:
+            return None if not self._closing else 0.1
+        return max(0.0, min(dues) - self._clock()) + 0.001
+
+    def _write_entry(self, entry: Entry, snapshot: Snapshot) -> None:
+        metadata = snapshot_metadata(snapshot, self.model.fingerprint, entry.workspace)
+        try:
+            sha, size = write_snapshot(self.folder, entry.name, snapshot, metadata, self.write_bps,
+                                       abort=lambda: entry.dropped or (self._closing and not self._flushing))
+        except Aborted:
+            with self._cond:
+                entry.writing = False
+                if not entry.dropped:
+                    entry.write_due = None
+                    entry.no_disk = True
+            return
+        except OSError as e:  # a full disk: the entry stays in RAM (if it still fits), the daemon goes on
+            log.warning("session file %s not written: %s", entry.name, e)
+            with self._cond:
+                self.disk_warning = _write_warning(self.folder, e)
+                entry.writing, entry.write_due, entry.no_disk = False, None, True
+                if not entry.in_ram:
+                    self._drop(entry)
+            return
+        with self._cond:
+            entry.writing = False
+            entry.write_due = None
+            if entry.dropped:
+                self._doomed.append(entry.name)  # never listed: safe to delete at once
+                return
+            self._writes += 1
+            self.disk_warning = None  # writes work (again)
+            entry.file, entry.sha256, entry.file_bytes = True, sha, size
+            if not entry.in_ram:
+                entry.snapshot = None
+            if entry.retained:
+                self._doom(entry)
+            self._manifest_dirty = True
+            self._evict_disk(keep=entry)
+
+    def _write_manifest(self) -> None:
+        with self._cond:
+            manifest = self._manifest()
+            doomed, self._doomed = self._doomed, []
+            self._manifest_dirty = self._touched = False
+        try:
+            write_json_atomic(self.folder / MANIFEST, manifest)
+        except OSError as e:
+            log.warning("session manifest not written: %s", e)
+            with self._cond:
+                self.disk_warning = _write_warning(self.folder, e)
+                self._manifest_retry_at = self._clock() + MANIFEST_RETRY_S
+                self._manifest_dirty = True
+                self._doomed = doomed + self._doomed
+            return
+        self._manifest_retry_at = float("-inf")
+        for name in doomed:  # only now that no manifest lists them
+            (self.folder / name).unlink(missing_ok=True)
+
+    def _manifest(self) -> dict:
+        records = []
+        for e in self._entries.values():
+            if e.file:
+                records.append(manifest_record(e))
+            records += e.retained
+        return {"format": FORMAT, "fingerprint": self.model.fingerprint, "entries": records}
+
+    # -- reading and the budget (the lock held except in _load) ----------------------------
+
+    def _load(self, entry: Entry, name: str, sha: str) -> Snapshot | None:
+        path = self.folder / name
+        try:
+            snapshot, metadata = read_snapshot(path, sha, self.model.fingerprint, self.model.layout)
+            if metadata.get("workspace") != entry.workspace or not np.array_equal(snapshot.tokens, entry.tokens):
+                raise BadFile("tokens or workspace differ from the index")
+            return snapshot
+        except FileNotFoundError:
+            log.warning("session file %s vanished; dropping its entry", name)
+            with self._cond:
+                self._drop(entry)
+            return None
+        except (BadFile, OSError, ValueError) as e:
+            log.warning("session file %s set aside: %s", name, e)
+            with self._cond:
+                self._drop(entry, keep_file=True)
+                self._count_bad()
+            set_aside(path)
+            return None
+
+    def _disk_bytes(self) -> int:
+        files = sum(e.file_bytes for e in self._entries.values() if e.file)
+        return files + sum(r["bytes"] for e in self._entries.values() for r in e.retained)
+
+    def _evict_disk(self, keep: Entry | None = None) -> None:
+        while self._disk_bytes() > self.disk_budget:
+            holder = next((e for e in self._entries.values() if e.retained), None)
+            if holder is not None:  # superseded files first
+                self._doom(holder)
+                self._manifest_dirty = True
+                continue
+            victim = self._victim((e for e in self._entries.values() if e.file), keep)
+            if victim is None:
+                return
+            self._evictions_disk += 1
+            if victim.in_ram:
+                victim.file, victim.no_disk = False, True
+                self._doomed.append(victim.name)
+                self._manifest_dirty = True
+            else:
+                self._drop(victim)
+
+    def _count_bad(self) -> None:
+        self._bad += 1
+
+    # -- opening the disk tier -------------------------------------------------------------
+
+    def _open_disk(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = self.root / self.model.fingerprint[:16]
+        folder.mkdir(exist_ok=True, mode=0o700)
+        self.folder = folder
+        if scan_folder(folder, self.model, self._index_file, self._count_bad):
+            self._manifest_dirty = True
+        prune_other_models(self.root, folder, self.disk_budget)
+        with self._cond:
+            self._evict_disk()
+            if not self.trimmable:  # a trimmable bank supersedes prefixes instead of linking them
+                self._index.link_all()
+        if self._manifest_dirty:
+            self._write_manifest()
+        log.info("session bank: %d entries on disk in %s", sum(e.file for e in self._entries.values()), folder)
+
+    def _index_file(self, name: str, sha: str, size: int, metadata: dict, tokens: np.ndarray,
+                    last_used: object) -> None:
+        created = float(metadata.get("created", 0) or 0)
+        used = float(last_used) if isinstance(last_used, (int, float)) else created
+        entry = self._index.new_entry(
+            metadata["workspace"], tokens, heads=int(metadata["heads"]), logits=metadata.get("logits") == "1",
+            created=created, last_used=used, name=name, file=True, sha256=sha, file_bytes=size,
+        )
+        with self._cond:
+            self._index.insert(entry)

@@ -1,0 +1,267 @@
+"""`mtplxd pull | convert | models | rm`: from a Hugging Face repository id to a fast
+local model with its MTP heads intact.
+
+    pull REPO_ID    download (huggingface_hub: cache, token, offline mode, resume),
+                    then convert into <state dir>/models/<name>/
+    convert PATH    the same from a local folder, into --out DIR
+    models          list the models folder
+    rm NAME         delete one model from it
+
+Every user error is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+# -- arguments -------------------------------------------------------------------------
+
+
+def _quantize_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default="4", choices=("4", "8", "none"),
+                   help="trunk precision: 4 or 8 bits (mlx-lm's quantization), or none; the MTP heads "
+                        "always stay in their float dtype (default 4)")
+    p.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), metavar="G",
+                   help="quantization group size: 32, 64 or 128 (default 64)")
+
+
+def _state_dir_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", metavar="DIR", help="state dir holding models/ (default: as for start)")
+
+
+def add_pull_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("repo_id", metavar="REPO_ID", help="Hugging Face repository, e.g. XiaomiMiMo/MiMo-7B-RL")
+    p.add_argument("--revision", metavar="R", help="branch, tag or commit (default: main)")
+    _quantize_arguments(p)
+    p.add_argument("--name", help="name in the models folder (default: the repository's name + -4bit/-8bit)")
+    _state_dir_argument(p)
+
+
+def add_convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="PATH", help="checkpoint folder (Hugging Face layout) with MTP heads")
+    p.add_argument("--out", metavar="DIR", required=True, help="output folder (must not exist)")
+    _quantize_arguments(p)
+
+
+def add_models_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    _state_dir_argument(p)
+
+
+def add_rm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", help="a name listed by `mtplxd models`")
+    _state_dir_argument(p)
+
+
+# -- pull / convert ------------------------------------------------------------------------
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    return _guarded("pull", lambda: _pull(args))
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    return _guarded("convert", lambda: _convert(args))
+
+
+def _guarded(command: str, body) -> int:
+    """Run a pull or convert; its user errors become one line and exit code 2."""
+    # transformers (imported by mlx-lm) would advise on stderr that PyTorch is absent: not needed.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import engine  # noqa: F401  (the fast BLAS before MLX)
+    from engine.checkpoint import CheckpointError
+    from mtplxd.store.hub import HubError
+    from mtplxd.store.models import ModelError
+
+    try:
+        return body()
+    except (CheckpointError, HubError, ModelError) as e:
+        print(f"mtplxd {command}: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # disk full while writing, permissions
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"mtplxd {command}: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"mtplxd {command}: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+def _spec(args: argparse.Namespace):
+    from engine.conversion import QuantSpec
+
+    return QuantSpec(None if args.quantize == "none" else int(args.quantize), args.group_size)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from engine.conversion import convert_checkpoint
+    from mtplxd.store import hub
+    from mtplxd.config import resolve_state_dir
+    from mtplxd.store.models import check_name, check_repo_id, default_name, models_dir, new_record, write_record
+
+    spec = _spec(args)
+    check_repo_id(args.repo_id)
+    name = check_name(args.name or default_name(args.repo_id, spec.bits))
+    dest = models_dir(resolve_state_dir(args.state_dir)) / name
+    if dest.exists():
+        return _already_there(dest, name, args.repo_id, spec)
+    _check_before_download(args.repo_id, args.revision, spec, dest)
+    snapshot = hub.download(args.repo_id, args.revision)
+    commit = snapshot.name  # the cache's snapshots/<commit> folder
+    print(f"converting {args.repo_id} ({commit[:12]}): trunk {spec.describe()}, MTP heads kept in float",
+          file=sys.stderr)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    result = convert_checkpoint(snapshot, dest, spec, source=args.repo_id, revision=commit)
+    write_record(dest, new_record(name, args.repo_id, commit, result))
+    _print_result(result, f"mtplxd start --model {name}")
+    return 0
+
+
+def _already_there(dest: Path, name: str, repo_id: str, spec) -> int:
+    from mtplxd.store.models import ModelError, read_record
+
+    record = read_record(dest) or {}
+    wanted = {"bits": spec.bits, "group_size": spec.group_size} if spec.bits else None
+    if record.get("source") == repo_id and record.get("quantization") == wanted:
+        print(f"{name} is already pulled ({dest}); start it with: mtplxd start --model {name}")
+        return 0
+    raise ModelError(f"{dest} already exists (from {record.get('source', 'elsewhere')}); "
+                     f"choose another --name, or remove it with: mtplxd rm {name}")
+
+
+def _check_before_download(repo_id: str, revision: str | None, spec, dest: Path) -> None:
+    """Online only: refuse a repository without weights or MTP head, or a disk without room,
+    before the weights are fetched."""
+    from engine.backends.descriptors import inspect_keys
+    from engine.conversion import check_room, coarse_output_bytes, refuse_without_heads
+    from mtplxd.store import hub
+
+    remote = hub.list_remote(repo_id, revision)
+    if remote is None:  # offline: the cache serves what it has
+        return
+    if not remote.weight_files:
+        raise hub.HubError(f"{repo_id}: no safetensors weights (mtplxd converts safetensors checkpoints)")
+    listing = hub.config_and_keys(repo_id, remote)
+    if listing is not None:
+        refuse_without_heads(repo_id, inspect_keys(*listing), f"\"$(hf download {repo_id})\"")
+    output = coarse_output_bytes(remote.weight_bytes, spec)
+    if hub.same_disk(hub.cache_dir(), dest.parent):
+        check_room(dest.parent, remote.to_download + output, "the download and the converted model")
+    else:
+        check_room(hub.cache_dir(), remote.to_download, "the download")
+        check_room(dest.parent, output, "the converted model")
+    fetch = "nothing" if remote.to_download == 0 else _size(remote.to_download)
+    print(f"pulling {repo_id}: {len(remote.sizes)} files, {fetch} to fetch into {hub.cache_dir()}",
+          file=sys.stderr)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from engine.conversion import convert_checkpoint
+    from mtplxd.store.models import new_record, write_record
+
+    spec = _spec(args)
+    source = str(Path(args.path).expanduser().absolute())
+    result = convert_checkpoint(source, args.out, spec)
+    write_record(result.out, new_record(result.out.name, source, None, result))
+    _print_result(result, f"mtplxd start --model {result.out}")
+    return 0
+
+
+def _print_result(result, start: str) -> None:
+    quant = f"{result.quantization['bits']}-bit" if result.quantization else "float"
+    print(f"{result.out}: {result.family}, {result.mtp_heads} MTP head(s), {quant} trunk "
+          f"({result.bits_per_weight:.2f} bits/weight), {_size(result.size_bytes)}; start it with: {start}")
+
+
+# -- models / rm ---------------------------------------------------------------------------
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from mtplxd.config import resolve_state_dir
+    from mtplxd.store.models import list_models, models_dir
+
+    state_dir = resolve_state_dir(args.state_dir)
+    rows = [_row(entry) for entry in list_models(state_dir)]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no models in {models_dir(state_dir)} (get one with: mtplxd pull REPO_ID)")
+    else:
+        _print_table(rows)
+    return 0
+
+
+def _row(entry) -> dict:
+    from mtplxd.store.models import folder_bytes
+
+    record = entry.record or _inspected(entry.path)
+    quant = record.get("quantization")
+    return {
+        "name": entry.name,
+        "family": record.get("family", "?"),
+        "heads": record.get("mtp_heads", "?"),
+        "size_bytes": folder_bytes(entry.path),
+        "quantization": f"{quant['bits']}-bit g{quant['group_size']}" if quant else "none",
+        "last_used": record.get("last_used"),
+        "source": record.get("source"),
+        "path": str(entry.path),
+    }
+
+
+def _inspected(folder: Path) -> dict:
+    """For a folder copied in by hand (no record): what inspection says, else nothing."""
+    from engine.backends.descriptors import inspect_checkpoint
+    from engine.checkpoint import CheckpointError, read_config
+    from engine.quantized import quantization
+
+    try:
+        report = inspect_checkpoint(folder)
+        return {"family": report.family, "mtp_heads": report.mtp_heads,
+                "quantization": quantization(read_config(folder))}
+    except (CheckpointError, OSError):
+        return {}
+
+
+def _print_table(rows: list[dict]) -> None:
+    header = ("NAME", "FAMILY", "HEADS", "SIZE", "QUANTIZATION", "LAST USED")
+    table = [header] + [
+        (r["name"], r["family"], str(r["heads"]), _size(r["size_bytes"]), r["quantization"], _when(r["last_used"]))
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    from mtplxd.config import resolve_state_dir
+    from mtplxd.store.models import ModelError, remove_model
+
+    try:
+        path = remove_model(resolve_state_dir(args.state_dir), args.name)
+    except ModelError as e:
+        print(f"mtplxd rm: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"removed {args.name} ({path})")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _when(timestamp: float | None) -> str:
+    if not timestamp:
+        return "never"
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M")

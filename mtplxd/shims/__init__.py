@@ -1,0 +1,1 @@
+"""Client-side programs editors and agents spawn: `mtplxd lsp` and `mtplxd mcp`."""

@@ -1,0 +1,1 @@
+"""The models folder: resolving a model name, pulling from the Hub, converting."""
