@@ -16,12 +16,9 @@ from dataclasses import dataclass, field
 
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
-from engine.profiles import MEASURED_TEMPERATURES, Calibration
-from engine.sampling import SamplerSettings
+from engine.profiles import Calibration
+from mtplxd.bench.decode import TEMPERATURES as SAMPLERS, held_out_prompts
 from mtplxd.jobs import Priority
-
-SAMPLERS = {"t0": SamplerSettings(temperature=0.0), "t0.6": SamplerSettings(temperature=0.6, top_p=0.95)}
-assert set(SAMPLERS) == set(MEASURED_TEMPERATURES)
 
 
 @dataclass(frozen=True)
@@ -101,8 +98,6 @@ class CalibrateJob:
 
 def calibration_prompt(engine: Engine, max_tokens: int = 512) -> tuple[int, ...]:
     """The opening of a held-out standard-library module (mtplxd bench's first prompt)."""
-    from mtplxd.bench.decode import held_out_prompts
-
     texts = held_out_prompts(1) or ["def main(argv):\n    "]
     ids = engine.tokenizer.encode(texts[0])
     return tuple(ids[-max_tokens:])

@@ -24,11 +24,16 @@ import mlx.core as mx
 
 from engine.checkpoint import read_config
 from engine.engine import Engine
-from engine.profiles import Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile
+from engine.profiles import (
+    MEASURED_TEMPERATURES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
+)
 from engine.generation import GenerationRequest
 from engine.sampling import SamplerSettings
 
-TEMPERATURES = {"t0": SamplerSettings(temperature=0.0), "t0.6": SamplerSettings(temperature=0.6, top_p=0.95)}
+# The sampler measured at each of the profiles' temperatures (the bench and the background
+# calibration alike): greedy, or nucleus sampling as chat clients use it.
+TEMPERATURES = {key: SamplerSettings(temperature=t, top_p=0.95 if t > 0 else 1.0)
+                for key, t in MEASURED_TEMPERATURES.items()}
 
 
 @dataclass
