@@ -40,6 +40,7 @@ from mtplxd.client import prepare_state_dir
 from mtplxd.config import Settings
 from mtplxd.calibrate import Calibrated, CalibrateRequest, calibration_prompt
 from mtplxd.jobs import Failed
+from mtplxd.runtime import Runtime
 from mtplxd.scheduler import NotReady, Scheduler, SchedulerLimits
 from mtplxd.workspaces import WorkspaceRegistry, open_bank
 
@@ -120,10 +121,8 @@ class Daemon:
                                    bank=open_bank(settings),  # <state_dir>/sessions, flushed on shutdown
                                    calibrations=CalibrationStore(settings.state_dir))
         self.workspaces = WorkspaceRegistry(self.scheduler, settings.watch_workspaces, ignore=(settings.state_dir,))
-        self.scheduler.workspaces = self.workspaces
         self.scheduler.on_workspace = self.workspaces.register
-        if warnings is not None:
-            self.scheduler.warnings = warnings
+        self.runtime = Runtime(self.scheduler, settings, self.workspaces, warnings)  # all the adapters get
         self.server: uvicorn.Server | None = None
         self.port: int | None = None  # the port actually bound, once listening
         self.failure: StateDirError | None = None  # daemon.json could not be written: serve raises it
@@ -154,8 +153,8 @@ class Daemon:
         from adapters.lsp.transport import serve_lsp
         from adapters.http.app import create_app  # after the lock: a refused start stays cheap
 
-        app = create_app(self.scheduler, self.settings)
-        mcp.mount(app, self.scheduler, self.settings)  # /mcp: same port and API key (MCP in its lifespan)
+        app = create_app(self.runtime, self.settings)
+        mcp.mount(app, self.runtime, self.settings)  # /mcp: same port and API key (MCP in its lifespan)
         config = uvicorn.Config(
             app,
             host=self.settings.host,
@@ -173,7 +172,7 @@ class Daemon:
             tg.start_soon(self._report_load)
             tg.start_soon(self._calibrate)  # first start of this model here: measure AR vs MTP
             tg.start_soon(self._publish_address)
-            tg.start_soon(serve_lsp, self.scheduler, self.settings)  # <state_dir>/lsp.sock for editors
+            tg.start_soon(serve_lsp, self.runtime, self.settings)  # <state_dir>/lsp.sock for editors
             tg.start_soon(self.workspaces.run)  # watches workspaces, warms changed files
             try:
                 await self.server.serve()

@@ -118,9 +118,7 @@ class Scheduler:
         self.calibrations = calibrations  # measured depth choices per model and machine
         self.planner: DecodePlanner | None = None  # set once the model has loaded
         self.bank = bank  # an engine.sessions.bank.SessionBank, bound once the model has loaded
-        self.workspaces = None  # the daemon's workspace registry (mtplxd/workspaces.py), if any
-        self.on_workspace: Callable[[str], None] | None = None
-        self.warnings: list[str] = []  # one-line conditions /health reports (mtplxd/daemon.py: a full disk)
+        self.on_workspace: Callable[[str], None] | None = None  # the daemon's workspace registry
         self.engine = None
         self.state: Literal["loading", "ready", "failed", "stopping", "stopped"] = "loading"
         self.load_error: str | None = None
@@ -129,7 +127,7 @@ class Scheduler:
         self._stopping = False
         self._ids = itertools.count(1)
         self.completed = self.cancelled = self.steps = 0
-        self.on_event: Callable[[_Entry, Event], None] | None = None  # metrics hook
+        self.on_event: Callable[[_Entry, Event], None] | None = None  # mtplxd/runtime.py's listeners
 
     # -- event-loop side ---------------------------------------------------------
 

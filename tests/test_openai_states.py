@@ -21,6 +21,7 @@ import engine  # noqa: F401  (BLAS before mlx)
 from adapters.http.app import create_app
 from engine.engine import Engine
 from mtplxd.config import Settings
+from mtplxd.runtime import Runtime
 from mtplxd.scheduler import Scheduler, SchedulerLimits
 from tests.checkpoints import write
 from tests.test_openai import CHAT, EMBEDDINGS, HI, LONG_CHAT, OK, health, wait_idle
@@ -39,8 +40,8 @@ class LiveServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.base_url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
-        config = uvicorn.Config(create_app(scheduler, settings), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=2)
+        app = create_app(Runtime(scheduler, settings), settings)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=anyio.run, args=(self._main,), daemon=True)
 

@@ -43,7 +43,6 @@ import base64
 import hmac
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,9 +56,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import engine  # noqa: F401  (BLAS before mlx)
-import mlx.core as mx
-
 from adapters.http.anthropic import anthropic_routes, is_anthropic_path
 from adapters.http.anthropic_schema import error_body as anthropic_error_body
 from adapters.http.body_limit import BodyLimit
@@ -67,11 +63,13 @@ from adapters.http.guard import HostOriginGuard, cors_options
 from adapters.http.metrics import CONTENT_TYPE, Metrics, RequestCounter
 from adapters.http.openai_chat import ChatReader, chat_message, parse_chat
 from adapters.http.openai_schema import (
-    ApiError, ModelInfo, TextParams, parse_completion, parse_embeddings, parse_json, parse_priority,
+    ApiError, TextParams, parse_completion, parse_embeddings, parse_json, parse_priority,
 )
 from adapters.http.openai_stream import Releasing, Run, Shape, collect, final, sse
 from adapters.http.sessions import session_routes, with_workspace
+from mtplxd.config import Settings
 from mtplxd.jobs import Done, Embeddings, TextDelta
+from mtplxd.runtime import ModelInfo, Runtime
 from mtplxd.scheduler import NotReady, QueueFull, Ticket
 
 PRIORITY_HEADER = "x-mtplx-priority"
@@ -82,10 +80,10 @@ HEALTH_STATUS = {"loading": "loading", "ready": "ok", "failed": "failed", "stopp
 SSE_PING_S = 15  # keeps proxies from closing a stream while a long prompt prefills
 
 
-def create_app(scheduler: Any, settings: Any) -> Starlette:
+def create_app(runtime: Runtime, settings: Settings) -> Starlette:
     metrics = Metrics()
-    metrics.attach(scheduler)
-    api = _Api(scheduler, settings, metrics)
+    metrics.attach(runtime)
+    api = _Api(runtime, settings, metrics)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -94,7 +92,7 @@ def create_app(scheduler: Any, settings: Any) -> Starlette:
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
-        *session_routes(scheduler),
+        *session_routes(runtime),
         *anthropic_routes(api),
     ]
     middleware = [  # outermost first: refusals are counted too; CORS preflights need no key
@@ -111,12 +109,11 @@ def create_app(scheduler: Any, settings: Any) -> Starlette:
 
 
 class _Api:
-    def __init__(self, scheduler: Any, settings: Any, metrics: Metrics):
-        self.scheduler = scheduler
+    def __init__(self, runtime: Runtime, settings: Settings, metrics: Metrics):
+        self.runtime = runtime
         self.settings = settings
         self.metrics = metrics
         self.started = time.monotonic()
-        self._model: ModelInfo | None = None
 
     # -- text ------------------------------------------------------------------------
 
@@ -180,64 +177,51 @@ class _Api:
         return JSONResponse(_model_card(model_id, self.started))
 
     async def health(self, request: Request) -> Any:
-        stats = self.scheduler.stats()
+        stats = self.runtime.stats()
         status = HEALTH_STATUS.get(stats.state, stats.state)
         body = {
             "status": status,
-            "model": self._model_id(),
+            "model": self.runtime.model_id(),
             "uptime_s": round(time.monotonic() - self.started, 3),
             "queue": asdict(stats),
-            "memory": {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory()},
+            "memory": self.runtime.memory(),
         }
-        planner = getattr(self.scheduler, "planner", None)
-        if planner is not None:  # the profile and the mode/depth it picks per temperature
-            body["decoding"] = planner.describe()
+        decoding = self.runtime.decoding()
+        if decoding is not None:  # the profile and the mode/depth it picks per temperature
+            body["decoding"] = decoding
         if stats.state == "failed":
-            body["error"] = self.scheduler.load_error
+            body["error"] = self.runtime.load_error
         # What it serves degraded under and the user should fix (a full disk), one line each.
-        bank_warning = getattr(getattr(self.scheduler, "bank", None), "disk_warning", None)
-        body["warnings"] = [*getattr(self.scheduler, "warnings", ()), *([bank_warning] if bank_warning else [])]
+        body["warnings"] = self.runtime.warnings()
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics_text(self, request: Request) -> Any:
-        return Response(self.metrics.render(self.scheduler.stats()), media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(self.runtime.stats()), media_type=CONTENT_TYPE)
 
     # -- helpers ---------------------------------------------------------------------
 
     def ready_model(self) -> ModelInfo:
-        state = self.scheduler.state
+        state = self.runtime.state
         if state == "loading":
             raise ApiError(503, "the model is still loading; retry shortly", code="model_loading",
                            headers={"Retry-After": "2"})
         if state == "failed":
-            raise ApiError(503, f"the model failed to load: {self.scheduler.load_error}", code="model_failed")
-        if state != "ready":
+            raise ApiError(503, f"the model failed to load: {self.runtime.load_error}", code="model_failed")
+        model = self.runtime.model()
+        if state != "ready" or model is None:
             raise ApiError(503, "the daemon is shutting down", code="shutting_down")
-        if self._model is None:
-            self._model = ModelInfo.from_engine(self.scheduler.engine, _default_depth(self.settings))
-        return self._model
+        return model
 
     def _model_id(self) -> str | None:
-        if self.scheduler.engine is not None:
-            return self.scheduler.engine.path.name
-        try:  # known before the engine has loaded (Settings.model_path: the embedded model's folder)
-            configured = getattr(self.settings, "model_path", None) or getattr(self.settings, "model", None)
-        except Exception:  # a settings object whose model cannot be resolved: no name yet
-            configured = None
-        return Path(str(configured)).name if configured else None
+        return self.runtime.model_id()
 
     def submit(self, request: Any) -> Ticket:
         try:
-            return self.scheduler.submit(request)
+            return self.runtime.submit(request)
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
         except NotReady as e:
             raise ApiError(503, str(e), code="model_unavailable") from None
-
-
-def _default_depth(settings: Any) -> int | None:
-    depth = getattr(settings, "depth", None)
-    return depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else None
 
 
 def _model_card(model_id: str, started: float) -> dict:

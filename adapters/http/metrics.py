@@ -2,9 +2,9 @@
 
 Each app owns its registry (never prometheus_client's global one), so two
 apps in one process (tests, or a daemon restarted in-process) never collide.
-Engine-side numbers arrive through the scheduler's `on_event` hook on the
+Engine-side numbers arrive through the runtime's event listeners (mtplxd/runtime.py) on the
 worker thread (prometheus_client is thread-safe); queue gauges are read from
-`scheduler.stats()` at scrape time, so they are never stale.
+`runtime.stats()` at scrape time, so they are never stale.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from adapters.http.sessions import SessionCollector
 from mtplxd.jobs import Done, TextDelta
+from mtplxd.runtime import Runtime
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Paths worth a label of their own; anything else is "other", so a scanner
@@ -52,17 +53,10 @@ class Metrics:
                                 ["depth"], registry=r)
         self._tallies: dict[str, list[int]] = {}  # depth -> [drafted, accepted], for the ratio
 
-    def attach(self, scheduler: Any) -> None:
-        """Chain onto the scheduler's event hook, keeping any hook set before."""
-        previous = scheduler.on_event
-
-        def hook(entry: Any, event: Any) -> None:
-            if previous is not None:
-                previous(entry, event)
-            self.observe(event)
-
-        scheduler.on_event = hook
-        self.registry.register(SessionCollector(scheduler))  # session-bank counters, read at scrape time
+    def attach(self, runtime: Runtime) -> None:
+        """Listen to every job's events; read the session bank's counters at scrape time."""
+        runtime.listen(lambda entry, event: self.observe(event))
+        self.registry.register(SessionCollector(runtime))
 
     def observe(self, event: Any) -> None:
         if isinstance(event, TextDelta):

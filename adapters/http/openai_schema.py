@@ -17,6 +17,7 @@ from engine.profiles import PROFILE_NAMES
 from engine.prompts import Heal, completion_prompt_ids, healed_fim_prompt_ids
 from engine.sampling import SamplerSettings
 from mtplxd.jobs import EmbedRequest, Priority, TextRequest
+from mtplxd.runtime import ModelInfo
 
 if TYPE_CHECKING:  # imported for annotations only: both modules import this one
     from adapters.common.chat_turn import ChatTurn
@@ -48,42 +49,6 @@ class ApiError(Exception):
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What validation needs to know about the loaded model (read once)."""
-
-    id: str
-    tokenizer: Any
-    context_length: int
-    vocab_size: int
-    hidden_size: int | None
-    depth_max: int
-    temperature: float
-    top_p: float
-    top_k: int
-    default_depth: int | None
-
-    @classmethod
-    def from_engine(cls, engine: Any, default_depth: int | None) -> ModelInfo:
-        backend, descriptor = engine.backend, engine.descriptor
-        defaults = getattr(descriptor, "sampler_defaults", None)
-        depth_range = getattr(descriptor, "depth_range", (1, 1))
-        return cls(
-            id=engine.path.name,
-            tokenizer=engine.tokenizer,
-            context_length=engine.context_length,
-            vocab_size=backend.vocab_size,
-            hidden_size=getattr(getattr(backend.trunk, "args", None), "hidden_size", None),
-            depth_max=max(depth_range[1], backend.n_heads),
-            # Unset sampler fields take the model family's recommended values,
-            # not OpenAI's temperature 1, which suits few local models.
-            temperature=defaults.temperature if defaults else 1.0,
-            top_p=defaults.top_p if defaults else 1.0,
-            top_k=defaults.top_k if defaults else 0,
-            default_depth=default_depth,
-        )
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ scrape time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import anyio.to_thread
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -24,6 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from adapters.http.openai_schema import ApiError, TextParams, bad
+from mtplxd.runtime import Runtime
 from mtplxd.workspaces import normalize_workspace
 
 WORKSPACE_HEADER = "x-mtplx-workspace"
@@ -47,21 +47,18 @@ def with_workspace(params: TextParams, request: Request, body: dict) -> TextPara
     return dataclasses.replace(params, request=dataclasses.replace(params.request, workspace=workspace))
 
 
-def session_routes(scheduler: Any) -> list[Route]:
-    api = _Sessions(scheduler)
+def session_routes(runtime: Runtime) -> list[Route]:
+    api = _Sessions(runtime)
     return [Route("/v1/sessions", api.list, methods=["GET"]), Route("/v1/sessions", api.delete, methods=["DELETE"])]
 
 
 class _Sessions:
-    def __init__(self, scheduler: Any):
-        self.scheduler = scheduler
-
-    def _bank(self) -> Any:
-        return getattr(self.scheduler, "bank", None)
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
 
     async def list(self, request: Request) -> JSONResponse:
-        bank = self._bank()
-        registry = getattr(self.scheduler, "workspaces", None)
+        bank = self.runtime.bank
+        registry = self.runtime.workspaces
         watched = set(registry.watched()) if registry is not None else set()
         data = []
         if bank is not None:
@@ -101,7 +98,7 @@ class _Sessions:
                 workspace = normalize_workspace(raw)
             except ValueError as e:
                 raise bad(str(e), "workspace") from None
-        bank = self._bank()
+        bank = self.runtime.bank
         if bank is None:
             raise ApiError(404, "the session bank is off", code="sessions_disabled")
         deleted = await anyio.to_thread.run_sync(bank.clear, workspace)
@@ -111,14 +108,14 @@ class _Sessions:
 class SessionCollector:
     """Prometheus collector reading the bank's counters at scrape time."""
 
-    def __init__(self, scheduler: Any):
-        self.scheduler = scheduler
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
 
     def describe(self) -> list:
         return []  # no fixed description: the registry calls collect() on scrape only
 
     def collect(self):
-        bank = getattr(self.scheduler, "bank", None)
+        bank = self.runtime.bank
         if bank is None:
             return
         st = bank.stats()

@@ -19,6 +19,7 @@ from pygls.exceptions import JsonRpcException
 from adapters.lsp.documents import Options, PromptBuilder
 from adapters.lsp.postprocess import Cursor, trim
 from mtplxd.jobs import Done, Failed, TextDelta, TextRequest
+from mtplxd.runtime import ModelInfo, Runtime
 from mtplxd.scheduler import NotReady, QueueFull
 
 REQUEST_FAILED = -32803  # LSP 3.17 RequestFailed: a well-formed request the server could not serve
@@ -43,11 +44,11 @@ class ConnectionStats:
     jobs_completed: int = 0  # ... run to their end (or to a stop rule)
 
 
-async def generate(scheduler: Any, request: TextRequest, cursor: Cursor, budget_ms: int,
+async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budget_ms: int,
                    stats: ConnectionStats) -> str:
     """Run one job to its end or to the first stop rule; the ticket is released on every path."""
     try:
-        ticket = scheduler.submit(request)
+        ticket = runtime.submit(request)
     except (QueueFull, NotReady) as e:
         raise RequestFailed(str(e)) from None
     stats.jobs_started += 1
@@ -83,26 +84,27 @@ async def generate(scheduler: Any, request: TextRequest, cursor: Cursor, budget_
     return text
 
 
-async def ready_engine(scheduler: Any) -> Any:
-    """The loaded engine, once it is (a request waits while the model loads)."""
-    while scheduler.state == "loading":
+async def ready_model(runtime: Runtime) -> ModelInfo:
+    """The loaded model's facts, once it is ready (a request waits while the model loads)."""
+    while runtime.state == "loading":
         await asyncio.sleep(0.05)
-    if scheduler.state == "ready":
-        return scheduler.engine
-    if scheduler.state == "failed":
-        raise RequestFailed(f"the model failed to load: {scheduler.load_error}")
+    model = runtime.model()
+    if runtime.state == "ready" and model is not None:
+        return model
+    if runtime.state == "failed":
+        raise RequestFailed(f"the model failed to load: {runtime.load_error}")
     raise RequestFailed("the daemon is shutting down")
 
 
 _BUILDER: tuple[Any, PromptBuilder] | None = None
 
 
-def prompt_builder(engine: Any) -> PromptBuilder:
+def prompt_builder(model: ModelInfo) -> PromptBuilder:
     """One prompt builder for the loaded model (its token counts are shared by every connection)."""
     global _BUILDER
-    if _BUILDER is None or _BUILDER[0] is not engine:
+    if _BUILDER is None or _BUILDER[0] is not model:
         try:
-            _BUILDER = (engine, PromptBuilder(engine.tokenizer))
+            _BUILDER = (model, PromptBuilder(model.tokenizer))
         except ValueError as e:  # no FIM tokens
             raise RequestFailed(f"the loaded model cannot complete code in editors: {e}") from None
     return _BUILDER[1]

@@ -45,11 +45,12 @@ from pygls.protocol.language_server import lsp_method
 
 from adapters.lsp.documents import ContextDocument, Options, snapshot, uri_path, workspace_of
 from adapters.lsp.completions import (
-    ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_engine, snippet_text,
+    ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_model, snippet_text,
 )
 from adapters.lsp.postprocess import TypeAheadCache, automatic_allowed, finalize, stop_strings
 from engine.sampling import SamplerSettings
 from mtplxd.jobs import Priority, TextRequest
+from mtplxd.runtime import Runtime
 
 log = logging.getLogger("mtplxd.lsp")
 
@@ -82,9 +83,9 @@ class _Protocol(LanguageServerProtocol):
 class CompletionServer(LanguageServer):
     """One editor connection."""
 
-    def __init__(self, scheduler: Any):
+    def __init__(self, runtime: Runtime):
         super().__init__("mtplxd", _version(), types.TextDocumentSyncKind.Incremental, protocol_cls=_Protocol)
-        self.scheduler = scheduler
+        self.runtime = runtime
         self.options = Options()
         self.cache = TypeAheadCache()
         self.pending: dict[str, _Pending] = {}
@@ -134,7 +135,7 @@ class CompletionServer(LanguageServer):
 
     def _open_folders(self, uris: list[str | None]) -> None:
         """Tell the daemon's registry which folders this editor opened: MCP tools may use them."""
-        registry = getattr(self.scheduler, "workspaces", None)  # None: a daemon without one (tests)
+        registry = self.runtime.workspaces  # None: a daemon without one (tests)
         paths = [uri_path(uri) for uri in uris if uri]
         for path in filter(None, paths if registry is not None else ()):
             registry.open_in_editor(path)
@@ -252,9 +253,9 @@ class CompletionServer(LanguageServer):
             return cached
         if not explicit and options.debounce_ms:
             await asyncio.sleep(options.debounce_ms / 1000)
-        engine = await ready_engine(self.scheduler)
-        builder = prompt_builder(engine)
-        options = fit_options(options, engine.context_length)
+        model = await ready_model(self.runtime)
+        builder = prompt_builder(model)
+        options = fit_options(options, model.context_length)
         workspace = self.workspace_for(key)
         ids, heal = builder.build(snap, options, self._display_path(key, workspace), self._context(key, workspace),
                                   os.path.basename(workspace or ""))
@@ -268,7 +269,7 @@ class CompletionServer(LanguageServer):
             priority=Priority.INTERACTIVE,
             workspace=workspace,
         )
-        raw = await generate(self.scheduler, request, snap.cursor, options.time_budget_ms, self.stats)
+        raw = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, self.stats)
         text = finalize(raw, snap.cursor)
         document = self.workspace.text_documents.get(key)
         if document is None or document.version != snap.version:
@@ -300,7 +301,7 @@ class CompletionServer(LanguageServer):
             "pending": len(self.pending),
             "options": self.options.as_json(),
             "workspaceFolders": sorted(filter(None, (uri_path(f) for f in self.workspace.folders))),
-            "scheduler": asdict(self.scheduler.stats()),
+            "scheduler": asdict(self.runtime.stats()),
         }
         if args and isinstance(args[0], str):
             key = unquote(args[0])

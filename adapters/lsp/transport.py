@@ -1,6 +1,6 @@
 """The daemon's LSP socket: `<state_dir>/lsp.sock`, 0600, one CompletionServer per connection.
 
-    serve_lsp(scheduler, settings)   # a task of the daemon's task group; runs until cancelled
+    serve_lsp(runtime, settings)   # a task of the daemon's task group; runs until cancelled
 
 Messages are framed as the LSP says (Content-Length headers). The read loop is
 ours rather than pygls' so that a request whose params do not match the LSP types
@@ -28,6 +28,8 @@ import cattrs
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
 
 from adapters.lsp.server import CompletionServer
+from mtplxd.config import Settings
+from mtplxd.runtime import Runtime
 from mtplxd.shims.lsp_bridge import LSP_SOCKET
 
 log = logging.getLogger("mtplxd.lsp")
@@ -41,7 +43,7 @@ class FramingLost(Exception):
     """The headers of a message do not say where it ends; str(e) names the bad header."""
 
 
-async def serve_lsp(scheduler: Any, settings: Any) -> None:
+async def serve_lsp(runtime: Runtime, settings: Settings) -> None:
     path = Path(settings.state_dir) / LSP_SOCKET
     # pygls logs every message it sends at INFO: document text has no place in the daemon's log.
     logging.getLogger("pygls").setLevel(logging.WARNING)
@@ -50,7 +52,7 @@ async def serve_lsp(scheduler: Any, settings: Any) -> None:
     async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         server = None
         try:
-            server = CompletionServer(scheduler)
+            server = CompletionServer(runtime)
             connections.add(server)
             await serve_connection(server, reader, writer)
         except Exception:

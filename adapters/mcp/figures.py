@@ -2,7 +2,7 @@
 figures, the model card, per-workspace figures and the metrics resource.
 
 Per-workspace figures come from the session bank and from a tally of the jobs the
-scheduler finished (`WorkspaceTally`, on the scheduler's event hook).
+scheduler finished (`WorkspaceTally`, a listener of the runtime's events).
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass, is_dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from adapters.mcp.schema import QueueFigures, StatusResult, WorkspaceFigures
-from adapters.http.openai_schema import ModelInfo
 from engine.prompts import fim_tokens, has_chat_template
 from mtplxd.jobs import Done, Warmed
+from mtplxd.runtime import ModelInfo, Runtime
 
 
 @dataclass
@@ -32,21 +31,14 @@ class _Tally:
 
 class WorkspaceTally:
     """Figures per TextRequest.workspace, counted from the Done events of the jobs
-    the scheduler ran (its `on_event` hook, on the worker thread)."""
+    the scheduler ran (a runtime listener, on the worker thread)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tallies: dict[str, _Tally] = {}
 
-    def attach(self, scheduler: Any) -> None:
-        previous = scheduler.on_event
-
-        def hook(entry: Any, event: Any) -> None:
-            if previous is not None:
-                previous(entry, event)
-            self.observe(entry.request, event)
-
-        scheduler.on_event = hook
+    def attach(self, runtime: Runtime) -> None:
+        runtime.listen(lambda entry, event: self.observe(entry.request, event))
 
     def observe(self, request: Any, event: Any) -> None:
         workspace = getattr(request, "workspace", None)
@@ -86,54 +78,42 @@ def _figures(workspace: str, tally: _Tally) -> WorkspaceFigures:
 
 
 class Figures:
-    """The daemon as the tools and resources describe it, from the scheduler, the
-    settings, the metrics and the workspace tally (attached to the scheduler here)."""
+    """The daemon as the tools and resources describe it, from the runtime, the
+    metrics and the workspace tally (a listener of the runtime's events)."""
 
-    def __init__(self, scheduler: Any, settings: Any, metrics: Any = None):
-        self.scheduler = scheduler
-        self.settings = settings
+    def __init__(self, runtime: Runtime, metrics: Any = None):
+        self.runtime = runtime
         self.metrics = metrics
         self.started = time.monotonic()
         self.workspaces = WorkspaceTally()
-        self.workspaces.attach(scheduler)
-        self._model: ModelInfo | None = None
+        self.workspaces.attach(runtime)
 
     # -- the model ---------------------------------------------------------------------------
 
     def model_id(self) -> str | None:
-        engine = self.scheduler.engine
-        if engine is not None:
-            return engine.path.name
-        try:
-            configured = getattr(self.settings, "model_path", None)
-        except Exception:
-            configured = None
-        return Path(str(configured)).name if configured else None
+        return self.runtime.model_id()
 
     def model_info(self) -> ModelInfo | None:
-        if self._model is None and self.scheduler.state == "ready" and self.scheduler.engine is not None:
-            self._model = ModelInfo.from_engine(self.scheduler.engine, getattr(self.settings, "depth", None))
-        return self._model
+        return self.runtime.model()
 
     def model_card(self) -> dict[str, Any]:
-        info, engine = self.model_info(), self.scheduler.engine
-        card: dict[str, Any] = {"id": self.model_id(), "state": self.scheduler.state}
-        if self.scheduler.load_error:
-            card["load_error"] = self.scheduler.load_error
-        if info is None or engine is None:
+        info = self.runtime.model()
+        card: dict[str, Any] = {"id": self.model_id(), "state": self.runtime.state}
+        if self.runtime.load_error:
+            card["load_error"] = self.runtime.load_error
+        if info is None:
             return card
-        descriptor = engine.descriptor
         try:
             fim_tokens(info.tokenizer)
             fim = True
         except ValueError:
             fim = False
         card.update(
-            path=str(engine.path),
-            family=descriptor.family if descriptor else None,
-            mtp_heads=engine.backend.n_heads,
-            depth_range=list(descriptor.depth_range) if descriptor else [0, 0],
-            default_depth=self._depth(0.0) or None,
+            path=str(info.path),
+            family=info.family,
+            mtp_heads=info.mtp_heads,
+            depth_range=list(info.depth_range),
+            default_depth=self.runtime.depth_for(0.0) or None,
             context_length=info.context_length,
             vocab_size=info.vocab_size,
             sampler_defaults={"temperature": info.temperature, "top_p": info.top_p, "top_k": info.top_k},
@@ -146,12 +126,12 @@ class Figures:
 
     def bank(self) -> Any:
         """The daemon's session bank (engine/sessions/bank.py) when it is on, else None."""
-        bank = getattr(self.scheduler, "bank", None)
-        return bank if bank is not None and getattr(bank, "enabled", False) else None
+        bank = self.runtime.bank
+        return bank if bank is not None and bank.enabled else None
 
     def _watched(self) -> list[str] | None:
         """The workspaces the daemon watches for changed files; None without a watcher."""
-        registry = getattr(self.scheduler, "workspaces", None)
+        registry = self.runtime.workspaces
         return registry.watched() if registry is not None else None
 
     def session_bank_figures(self) -> dict[str, Any] | None:
@@ -177,31 +157,18 @@ class Figures:
         body["watched"] = workspace in (self._watched() or ())
         return body
 
-    def _profile(self) -> str:
-        planner = getattr(self.scheduler, "planner", None)
-        return planner.profile.name if planner is not None else getattr(self.settings, "profile", None) or "auto"
-
-    def _depth(self, temperature: float) -> int:
-        """The depth a request at `temperature` decodes with (0: AR, or not loaded)."""
-        planner = getattr(self.scheduler, "planner", None)
-        if planner is None:
-            return 0
-        plan = planner.plan(temperature)
-        return plan.depth if plan.mode == "mtp" else 0
-
     def status(self) -> StatusResult:
-        stats = self.scheduler.stats()
-        engine = self.scheduler.engine
-        descriptor = getattr(engine, "descriptor", None)
+        stats = self.runtime.stats()
+        info = self.runtime.model()
         return StatusResult(
             state=stats.state,
             model=self.model_id(),
-            family=getattr(descriptor, "family", None) if engine is not None else None,
-            mtp_heads=engine.backend.n_heads if engine is not None else None,
-            profile=self._profile(),
-            depth=self._depth(0.0),
-            context_length=getattr(engine, "context_length", None),
-            load_error=self.scheduler.load_error,
+            family=info.family if info is not None else None,
+            mtp_heads=info.mtp_heads if info is not None else None,
+            profile=self.runtime.profile_name(),
+            depth=self.runtime.depth_for(0.0),
+            context_length=info.context_length if info is not None else None,
+            load_error=self.runtime.load_error,
             uptime_s=round(time.monotonic() - self.started, 3),
             queue=QueueFigures(active=stats.active, queued_by_class=stats.queued_by_class,
                                completed=stats.completed, cancelled=stats.cancelled, steps=stats.steps),
@@ -212,7 +179,7 @@ class Figures:
     def metrics_text(self) -> str:
         if self.metrics is None:
             return ""
-        return self.metrics.render(self.scheduler.stats()).decode()
+        return self.metrics.render(self.runtime.stats()).decode()
 
 
 def _as_dict(figures: Any) -> dict[str, Any]:

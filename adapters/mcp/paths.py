@@ -35,6 +35,8 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ListRootsResult
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
+from mtplxd.config import Settings
+from mtplxd.runtime import Runtime
 from mtplxd.workspaces import normalize_workspace
 
 log = logging.getLogger("mtplxd.mcp")
@@ -72,9 +74,9 @@ class WorkspaceGuard:
     """Which folders the MCP tools may use (see the module docstring), and the roots each
     handshake-era session declared."""
 
-    def __init__(self, settings: Any, scheduler: Any):
-        self.configured = _configured_folders(getattr(settings, "workspaces", ()))
-        self.scheduler = scheduler
+    def __init__(self, settings: Settings, runtime: Runtime):
+        self.configured = _configured_folders(settings.workspaces)
+        self.runtime = runtime
         self._roots: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # session id -> root folders
 
     def use(self, value: str | None, roots: tuple[str, ...], required: bool) -> Folder | None:
@@ -90,7 +92,7 @@ class WorkspaceGuard:
 
     def _daemon_allows(self, real: str) -> bool:
         """Allowed without the client's roots: by the setting or by an editor."""
-        registry = getattr(self.scheduler, "workspaces", None)
+        registry = self.runtime.workspaces
         editors = registry.editor_folders() if registry is not None else ()
         return _inside_any(real, self.configured) or _inside_any(real, editors)
 

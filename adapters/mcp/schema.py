@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from adapters.http.openai_schema import ModelInfo
+from mtplxd.runtime import ModelInfo
 from mtplxd.jobs import Done, MTPStats, TextRequest
 
 DEFAULT_MAX_TOKENS = 256

@@ -49,7 +49,7 @@ session-bank namespace, so each project restores its own cached prefixes
 watcher. `path` arguments resolve inside the workspace only: `..`, absolute
 paths elsewhere and symlinks leading out are refused with a tool error
 (adapters/mcp/paths.py). Per-workspace figures come from the bank and from a
-tally of the jobs the scheduler finished (`WorkspaceTally`, on the scheduler's
+tally of the jobs the scheduler finished (`WorkspaceTally`, on the runtime's
 event hook; adapters/mcp/figures.py).
 """
 
@@ -74,7 +74,8 @@ from adapters.mcp.paths import WorkspaceGuard
 from adapters.mcp.resources import register_prompts, register_resources
 from adapters.mcp.schema import Outcome, generation_fields
 from adapters.mcp.tools import register_tools
-from adapters.http.openai_schema import ModelInfo
+from mtplxd.config import Settings
+from mtplxd.runtime import ModelInfo, Runtime
 from mtplxd.jobs import Done, Failed, MTPStats, TextDelta, TextRequest, WarmRequest
 from mtplxd.scheduler import NotReady, QueueFull
 
@@ -94,13 +95,13 @@ long outputs stop at max_tokens (default 256, at most 2048)."""
 
 
 class McpAdapter:
-    """What the tools share: the scheduler, the daemon's figures, and the task group
+    """What the tools share: the runtime, the daemon's figures, and the task group
     that drains warm-up jobs. `server` is the one MCPServer."""
 
-    def __init__(self, scheduler: Any, settings: Any, metrics: Any = None):
-        self.scheduler = scheduler
-        self.figures = Figures(scheduler, settings, metrics)
-        self.workspaces = WorkspaceGuard(settings, scheduler)
+    def __init__(self, runtime: Runtime, settings: Settings, metrics: Any = None):
+        self.runtime = runtime
+        self.figures = Figures(runtime, metrics)
+        self.workspaces = WorkspaceGuard(settings, runtime)
         self._background: anyio.abc.TaskGroup | None = None
         self.server = build_server(self)
 
@@ -123,7 +124,7 @@ class McpAdapter:
     async def _serve_sessions(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         async with self.server.session_manager.run():
             task_status.started()
-            while self.scheduler.state not in ("stopping", "stopped"):
+            while self.runtime.state not in ("stopping", "stopped"):
                 await anyio.sleep(0.1)
             await anyio.sleep(0.5)  # in-flight calls get the scheduler's shutdown error out first
 
@@ -135,16 +136,16 @@ class McpAdapter:
 
     async def ready(self, ctx: Context, deadline: float) -> ModelInfo:
         """The loaded model's facts; waits (bounded) while it loads, else a clear ToolError."""
-        if self.scheduler.state == "loading":
+        if self.runtime.state == "loading":
             await _progress(ctx, 0, None, "waiting for the model to load")
             limit = min(deadline, time.monotonic() + MODEL_WAIT_S)
-            while self.scheduler.state == "loading" and time.monotonic() < limit:
+            while self.runtime.state == "loading" and time.monotonic() < limit:
                 await anyio.sleep(0.05)
-        state = self.scheduler.state
+        state = self.runtime.state
         if state == "loading":
             raise ToolError("the model is still loading; retry in a few seconds")
         if state == "failed":
-            raise ToolError(f"the model failed to load: {self.scheduler.load_error}")
+            raise ToolError(f"the model failed to load: {self.runtime.load_error}")
         info = self.figures.model_info()
         if state != "ready" or info is None:
             raise ToolError("the daemon is shutting down")
@@ -152,7 +153,7 @@ class McpAdapter:
 
     def submit(self, request: TextRequest | WarmRequest) -> Any:
         try:
-            return self.scheduler.submit(request)
+            return self.runtime.submit(request)
         except QueueFull as e:
             raise ToolError(f"the daemon is busy: {e}") from None
         except NotReady as e:
@@ -167,9 +168,8 @@ class McpAdapter:
         ticket = self.submit(request)
         parts: list[str] = []
         tokens, last_report, first = 0, 0.0, None
-        engine = self.scheduler.engine
-        heads = engine.backend.n_heads if engine is not None else 0
-        plan = self.scheduler.plan(request) if heads else None
+        info = self.runtime.model()
+        plan = self.runtime.plan(request) if info is not None and info.mtp_heads else None
         mtp = MTPStats(depth=plan.depth if plan is not None and plan.mode == "mtp" else 0)
         done: Done | None = None
         try:
@@ -261,11 +261,11 @@ def transport_security(settings: Any) -> TransportSecuritySettings:
     )
 
 
-def mount(app: Starlette, scheduler: Any, settings: Any) -> McpAdapter:
+def mount(app: Starlette, runtime: Runtime, settings: Settings) -> McpAdapter:
     """Serve the MCP server at /mcp in `app` (the OpenAI adapter's app): its routes share
     the app's middleware (API key, request counting); the app's lifespan now also runs
     the MCP session manager."""
-    adapter = McpAdapter(scheduler, settings, getattr(app.state, "metrics", None))
+    adapter = McpAdapter(runtime, settings, getattr(app.state, "metrics", None))
     mcp_app = adapter.server.streamable_http_app(
         streamable_http_path=MCP_PATH,
         transport_security=transport_security(settings),

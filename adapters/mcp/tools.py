@@ -29,7 +29,7 @@ from adapters.mcp.schema import (
     ChatMessage, FimCompletion, Generation, MaxTokens, RequiredWorkspace, StatusResult, Temperature, WarmResult,
     WarmSkip, Workspace,
 )
-from adapters.http.openai_schema import ModelInfo
+from mtplxd.runtime import ModelInfo
 from engine.prompts import Heal, chat_prompt_ids, completion_prompt_ids, has_chat_template, healed_fim_prompt_ids
 from engine.sampling import SamplerSettings
 from mtplxd.jobs import Priority, TextRequest, WarmRequest

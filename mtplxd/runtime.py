@@ -1,0 +1,173 @@
+"""The daemon as the adapters see it: one typed object instead of the scheduler.
+
+    runtime = Runtime(scheduler, settings, workspaces, warnings)   # mtplxd/daemon.py
+    create_app(runtime, settings); mcp.mount(app, runtime, settings); serve_lsp(runtime, settings)
+
+An adapter (adapters/http, adapters/mcp, adapters/lsp) submits typed requests
+(mtplxd/jobs.py) and reads their events; it reads the daemon's state and the loaded
+model's facts (`ModelInfo`), the decoding plan, warnings and memory; it sees the session
+bank and the workspace registry; and it listens to every job's events. It never holds
+the scheduler, the engine or an MLX array: what it may know is what this class offers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from mtplxd.jobs import EmbedRequest, Event, TextRequest, WarmRequest
+from mtplxd.scheduler import Scheduler, SchedulerStats, Ticket
+
+if TYPE_CHECKING:  # annotations only: the adapters never import these modules
+    from engine.profiles import DecodePlan
+    from engine.sessions.bank import SessionBank
+    from mtplxd.config import Settings
+    from mtplxd.workspaces import WorkspaceRegistry
+
+# (the job's entry: its `.request`; the event) on the scheduler's worker thread
+Listener = Callable[[Any, Event], None]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model as requests need it (read once, when it is ready)."""
+
+    id: str  # the checkpoint folder's name
+    path: Path
+    family: str | None
+    mtp_heads: int
+    depth_range: tuple[int, int]
+    tokenizer: Any  # a Hugging Face tokenizer: prompts are built with it
+    context_length: int
+    vocab_size: int
+    hidden_size: int | None
+    depth_max: int
+    # Unset sampler fields take the model family's recommended values, not OpenAI's
+    # temperature 1, which suits few local models.
+    temperature: float
+    top_p: float
+    top_k: int
+    default_depth: int | None  # the `depth` setting, if any
+
+    @classmethod
+    def from_engine(cls, engine: Any, default_depth: int | None) -> ModelInfo:
+        backend, descriptor = engine.backend, engine.descriptor
+        defaults = getattr(descriptor, "sampler_defaults", None)
+        depth_range = tuple(getattr(descriptor, "depth_range", (1, 1)))
+        return cls(
+            id=engine.path.name,
+            path=Path(engine.path),
+            family=getattr(descriptor, "family", None),
+            mtp_heads=backend.n_heads,
+            depth_range=(int(depth_range[0]), int(depth_range[1])) if descriptor is not None else (0, 0),
+            tokenizer=engine.tokenizer,
+            context_length=engine.context_length,
+            vocab_size=backend.vocab_size,
+            hidden_size=getattr(getattr(backend.trunk, "args", None), "hidden_size", None),
+            depth_max=max(depth_range[1], backend.n_heads),
+            temperature=defaults.temperature if defaults else 1.0,
+            top_p=defaults.top_p if defaults else 1.0,
+            top_k=defaults.top_k if defaults else 0,
+            default_depth=default_depth,
+        )
+
+
+class Runtime:
+    def __init__(self, scheduler: Scheduler, settings: Settings, workspaces: WorkspaceRegistry | None = None,
+                 warnings: list[str] | None = None):
+        """`warnings`: one-line conditions others add to (the daemon's log file), for /health."""
+        self._scheduler = scheduler
+        self._settings = settings
+        self._workspaces = workspaces
+        self._warnings = warnings if warnings is not None else []
+        self._listeners: list[Listener] = []
+        self._model: ModelInfo | None = None
+        scheduler.on_event = self._tell
+
+    # -- work ----------------------------------------------------------------------------
+
+    def submit(self, request: TextRequest | EmbedRequest | WarmRequest) -> Ticket:
+        """Queue a job (raises QueueFull or NotReady, mtplxd/scheduler.py)."""
+        return self._scheduler.submit(request)
+
+    def plan(self, request: TextRequest) -> DecodePlan:
+        """The mode and depth `request` will decode with."""
+        return self._scheduler.plan(request)
+
+    def listen(self, listener: Listener) -> None:
+        """Call `listener` with every job's events (on the worker thread: keep it short)."""
+        self._listeners.append(listener)
+
+    def _tell(self, entry: Any, event: Event) -> None:
+        for listener in self._listeners:
+            listener(entry, event)
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """loading | ready | failed | stopping | stopped"""
+        return self._scheduler.state
+
+    @property
+    def load_error(self) -> str | None:
+        return self._scheduler.load_error
+
+    def stats(self) -> SchedulerStats:
+        return self._scheduler.stats()
+
+    def model(self) -> ModelInfo | None:
+        """The loaded model's facts; None until it is ready."""
+        engine = self._scheduler.engine
+        if self._model is None and self.state == "ready" and engine is not None:
+            self._model = ModelInfo.from_engine(engine, self._settings.depth)
+        return self._model
+
+    def model_id(self) -> str | None:
+        """The model's name, known from the settings before it has loaded."""
+        engine = self._scheduler.engine
+        if engine is not None:
+            return engine.path.name
+        try:
+            return self._settings.model_path.name
+        except Exception:  # a model setting that cannot be resolved: no name yet
+            return None
+
+    def decoding(self) -> dict | None:
+        """The profile and the mode/depth it picks per temperature (engine/profiles.py)."""
+        planner = self._scheduler.planner
+        return planner.describe() if planner is not None else None
+
+    def profile_name(self) -> str:
+        planner = self._scheduler.planner
+        return planner.profile.name if planner is not None else self._settings.profile or "auto"
+
+    def depth_for(self, temperature: float) -> int:
+        """The depth a request at `temperature` decodes with (0: AR, or no model yet)."""
+        planner = self._scheduler.planner
+        if planner is None:
+            return 0
+        plan = planner.plan(temperature)
+        return plan.depth if plan.mode == "mtp" else 0
+
+    def warnings(self) -> list[str]:
+        """One line per condition the user should know of (a full disk, an unwritable log)."""
+        bank = self.bank
+        disk = getattr(bank, "disk_warning", None)
+        return [*self._warnings, *([disk] if disk else [])]
+
+    def memory(self) -> dict[str, int]:
+        import mlx.core as mx
+
+        return {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory()}
+
+    # -- the session bank and the workspaces ----------------------------------------------
+
+    @property
+    def bank(self) -> SessionBank | None:
+        return self._scheduler.bank
+
+    @property
+    def workspaces(self) -> WorkspaceRegistry | None:
+        return self._workspaces
