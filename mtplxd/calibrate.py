@@ -18,7 +18,7 @@ from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
 from engine.profiles import Calibration
 from mtplxd.bench.decode import TEMPERATURES as SAMPLERS, held_out_prompts
-from mtplxd.jobs import Priority
+from mtplxd.requests import Priority
 
 
 @dataclass(frozen=True)

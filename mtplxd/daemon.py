@@ -39,7 +39,7 @@ from mtplxd import client
 from mtplxd.client import prepare_state_dir
 from mtplxd.config import Settings
 from mtplxd.calibrate import Calibrated, CalibrateRequest, calibration_prompt
-from mtplxd.jobs import Failed
+from mtplxd.requests import Failed
 from mtplxd.runtime import Runtime
 from mtplxd.scheduler import NotReady, Scheduler, SchedulerLimits
 from mtplxd.workspaces import WorkspaceRegistry, open_bank

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from mtplxd.jobs import EmbedRequest, Event, TextRequest, WarmRequest
+from mtplxd.requests import EmbedRequest, Event, TextRequest, WarmRequest
 from mtplxd.scheduler import Scheduler, SchedulerStats, Ticket
 
 if TYPE_CHECKING:  # annotations only: the adapters never import these modules

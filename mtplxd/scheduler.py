@@ -37,17 +37,8 @@ from engine.profiles import (
     Calibration, CalibrationStore, DecodePlan, DecodePlanner, auto_profile, get_profile,
 )
 from mtplxd.calibrate import CalibrateJob, CalibrateRequest
-from mtplxd.jobs import (
-    EmbedJob,
-    EmbedRequest,
-    Event,
-    Failed,
-    Priority,
-    TextJob,
-    TextRequest,
-    WarmJob,
-    WarmRequest,
-)
+from mtplxd.jobs import EmbedJob, TextJob, WarmJob
+from mtplxd.requests import EmbedRequest, Event, Failed, Priority, TextRequest, WarmRequest
 
 log = logging.getLogger("mtplxd.scheduler")
 

@@ -26,7 +26,7 @@ import anyio.to_thread
 from watchfiles import Change, DefaultFilter, awatch
 
 from engine.prompts import completion_prompt_ids, fim_prompt_ids, fim_tokens
-from mtplxd.jobs import Failed, WarmRequest, Warmed
+from mtplxd.requests import Failed, WarmRequest, Warmed
 
 log = logging.getLogger("mtplxd.workspaces")
 logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every batch of changes at INFO

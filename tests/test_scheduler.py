@@ -10,7 +10,7 @@ import pytest
 
 from engine.engine import Engine
 from engine.sampling import SamplerSettings
-from mtplxd.jobs import Done, Failed, Priority, TextDelta, TextRequest
+from mtplxd.requests import Done, Failed, Priority, TextDelta, TextRequest
 from mtplxd.scheduler import NotReady, QueueFull, Scheduler, SchedulerLimits
 from tests.checkpoints import write
 

@@ -20,7 +20,7 @@ from engine.sessions.bank import MANIFEST, SessionBank
 from engine.sessions.files import read_snapshot, snapshot_metadata, write_snapshot
 from engine.sessions.arrays import describe
 from engine.sessions.state import LayerState, Restore
-from mtplxd.jobs import Done, Priority, TextRequest, WarmRequest, Warmed
+from mtplxd.requests import Done, Priority, TextRequest, WarmRequest, Warmed
 from mtplxd.scheduler import Scheduler
 from tests.checkpoints import write
 from tests.engine_helpers import assert_caches_close, feed_one_by_one, load_family, reference_head_caches, run

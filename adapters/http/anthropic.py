@@ -25,7 +25,7 @@ from adapters.http.anthropic_stream import TOOL_ID_PREFIX, MessageShape, message
 from adapters.http.openai_schema import parse_json, parse_priority
 from adapters.http.openai_stream import Releasing, Run, collect, final
 from adapters.http.sessions import with_workspace
-from mtplxd.jobs import Done, TextDelta
+from mtplxd.requests import Done, TextDelta
 
 MESSAGES_PATH = "/v1/messages"
 PRIORITY_HEADER = "x-mtplx-priority"

@@ -30,8 +30,8 @@ from adapters.http.openai_schema import (
     get_str,
 )
 from adapters.http.openai_tools import check_function, named_choice, unique
-from engine.sampling import SamplerSettings
-from mtplxd.jobs import Priority, TextRequest
+from engine.sampler_settings import SamplerSettings
+from mtplxd.requests import Priority, TextRequest
 
 MAX_STOP_SEQUENCES = 256
 IMAGE_OMITTED = "[image omitted: this model reads text only]"

@@ -30,7 +30,7 @@ from adapters.http.openai_schema import ApiError
 from adapters.http.openai_stream import Run, failure
 from adapters.common.streaming_text import Reasoning, Text
 from adapters.common.tool_parsers import Call
-from mtplxd.jobs import Done, Failed, TextDelta
+from mtplxd.requests import Done, Failed, TextDelta
 
 TOOL_ID_PREFIX = "toolu_"
 Piece = Text | Reasoning | Call

@@ -68,7 +68,7 @@ from adapters.http.openai_schema import (
 from adapters.http.openai_stream import Releasing, Run, Shape, collect, final, sse
 from adapters.http.sessions import session_routes, with_workspace
 from mtplxd.config import Settings
-from mtplxd.jobs import Done, Embeddings, TextDelta
+from mtplxd.requests import Done, Embeddings, TextDelta
 from mtplxd.runtime import ModelInfo, Runtime
 from mtplxd.scheduler import NotReady, QueueFull, Ticket
 

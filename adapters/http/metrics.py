@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from adapters.http.sessions import SessionCollector
-from mtplxd.jobs import Done, TextDelta
+from mtplxd.requests import Done, TextDelta
 from mtplxd.runtime import Runtime
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

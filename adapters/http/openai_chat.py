@@ -19,7 +19,7 @@ from mtplxd.runtime import ModelInfo
 from adapters.http.openai_tools import openai_tool_spec, template_kwargs
 from adapters.common.streaming_text import Reasoning, Text
 from adapters.common.tool_parsers import Call
-from mtplxd.jobs import Priority
+from mtplxd.requests import Priority
 
 CALL_ID_PREFIX = "call_"
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.profiles import PROFILE_NAMES
 from engine.prompts import Heal, completion_prompt_ids, healed_fim_prompt_ids
-from engine.sampling import SamplerSettings
-from mtplxd.jobs import EmbedRequest, Priority, TextRequest
+from engine.sampler_settings import SamplerSettings
+from mtplxd.requests import EmbedRequest, Priority, TextRequest
 from mtplxd.runtime import ModelInfo
 
 if TYPE_CHECKING:  # imported for annotations only: both modules import this one

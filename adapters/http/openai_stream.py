@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from adapters.http.metrics import Metrics
 from adapters.http.openai_schema import ApiError
-from mtplxd.jobs import Done, Embeddings, Failed, TextDelta
+from mtplxd.requests import Done, Embeddings, Failed, TextDelta
 from mtplxd.scheduler import Ticket
 
 

@@ -18,7 +18,7 @@ from pygls.exceptions import JsonRpcException
 
 from adapters.lsp.documents import Options, PromptBuilder
 from adapters.lsp.postprocess import Cursor, trim
-from mtplxd.jobs import Done, Failed, TextDelta, TextRequest
+from mtplxd.requests import Done, Failed, TextDelta, TextRequest
 from mtplxd.runtime import ModelInfo, Runtime
 from mtplxd.scheduler import NotReady, QueueFull
 

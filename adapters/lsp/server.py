@@ -48,8 +48,8 @@ from adapters.lsp.completions import (
     ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_model, snippet_text,
 )
 from adapters.lsp.postprocess import TypeAheadCache, automatic_allowed, finalize, stop_strings
-from engine.sampling import SamplerSettings
-from mtplxd.jobs import Priority, TextRequest
+from engine.sampler_settings import SamplerSettings
+from mtplxd.requests import Priority, TextRequest
 from mtplxd.runtime import Runtime
 
 log = logging.getLogger("mtplxd.lsp")

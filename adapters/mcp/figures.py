@@ -15,7 +15,7 @@ from typing import Any
 
 from adapters.mcp.schema import QueueFigures, StatusResult, WorkspaceFigures
 from engine.prompts import fim_tokens, has_chat_template
-from mtplxd.jobs import Done, Warmed
+from mtplxd.requests import Done, Warmed
 from mtplxd.runtime import ModelInfo, Runtime
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from mtplxd.runtime import ModelInfo
-from mtplxd.jobs import Done, MTPStats, TextRequest
+from mtplxd.requests import Done, MTPStats, TextRequest
 
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_LIMIT = 2048

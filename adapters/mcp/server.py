@@ -67,7 +67,6 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.applications import Starlette
 
-import engine  # noqa: F401  (BLAS before mlx)
 from adapters.http.guard import LOOPBACK_NAMES, host_names
 from adapters.mcp.figures import Figures
 from adapters.mcp.paths import WorkspaceGuard
@@ -76,7 +75,7 @@ from adapters.mcp.schema import Outcome, generation_fields
 from adapters.mcp.tools import register_tools
 from mtplxd.config import Settings
 from mtplxd.runtime import ModelInfo, Runtime
-from mtplxd.jobs import Done, Failed, MTPStats, TextDelta, TextRequest, WarmRequest
+from mtplxd.requests import Done, Failed, MTPStats, TextDelta, TextRequest, WarmRequest
 from mtplxd.scheduler import NotReady, QueueFull
 
 MCP_PATH = "/mcp"

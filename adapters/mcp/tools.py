@@ -31,8 +31,8 @@ from adapters.mcp.schema import (
 )
 from mtplxd.runtime import ModelInfo
 from engine.prompts import Heal, chat_prompt_ids, completion_prompt_ids, has_chat_template, healed_fim_prompt_ids
-from engine.sampling import SamplerSettings
-from mtplxd.jobs import Priority, TextRequest, WarmRequest
+from engine.sampler_settings import SamplerSettings
+from mtplxd.requests import Priority, TextRequest, WarmRequest
 from mtplxd.workspaces import warmup_prompt_ids
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.generation import GenerationRequest
-from engine.sampling import SamplerSettings
+from engine.sampler_settings import SamplerSettings
 
 
 def measure_acceptance(engine, prompts: Sequence[str | Sequence[int]], depth: int, n_tokens: int) -> list[float]:

@@ -24,7 +24,7 @@ import engine  # BLAS before mlx
 from engine.engine import Engine
 from engine.generation import GenerationRequest
 from engine.prompts import heal_last_token, healed_fim_prompt_ids
-from engine.sampling import SamplerSettings
+from engine.sampler_settings import SamplerSettings
 from engine.training.corpus import held_out_files
 from engine.training.measure import measure_acceptance
 

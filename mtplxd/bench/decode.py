@@ -28,7 +28,7 @@ from engine.profiles import (
     MEASURED_TEMPERATURES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
 )
 from engine.generation import GenerationRequest
-from engine.sampling import SamplerSettings
+from engine.sampler_settings import SamplerSettings
 
 # The sampler measured at each of the profiles' temperatures (the bench and the background
 # calibration alike): greedy, or nucleus sampling as chat clients use it.
