@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from engine.sampler_settings import SamplerSettings
 from mtplxd.requests import EmbedRequest, Event, TextRequest, WarmRequest
 from mtplxd.scheduler import Scheduler, SchedulerStats, Ticket
 
@@ -70,6 +71,17 @@ class ModelInfo:
             top_p=defaults.top_p if defaults else 1.0,
             top_k=defaults.top_k if defaults else 0,
             default_depth=default_depth,
+        )
+
+    def sampler(self, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                min_p: float = 0.0) -> SamplerSettings:
+        """A request's sampler: the fields it set (each protocol checks its own ranges
+        first), the model family's defaults for the others."""
+        return SamplerSettings(
+            temperature=self.temperature if temperature is None else temperature,
+            top_p=self.top_p if top_p is None else top_p,
+            top_k=self.top_k if top_k is None else top_k,
+            min_p=min_p,
         )
 
 

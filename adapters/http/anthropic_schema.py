@@ -280,13 +280,13 @@ def _refuse_output_format(config: Any) -> None:
 
 
 def _sampler(body: dict, model: ModelInfo) -> SamplerSettings:
-    top_p = get_float(body, "top_p", model.top_p, 0.0, 1.0)
+    top_p = get_float(body, "top_p", None, 0.0, 1.0)
     if top_p == 0:
         raise bad("`top_p` must be greater than 0", "top_p")
-    return SamplerSettings(
-        temperature=get_float(body, "temperature", model.temperature, 0.0, 1.0),
+    return model.sampler(
+        temperature=get_float(body, "temperature", None, 0.0, 1.0),  # Anthropic's documented range
         top_p=top_p,
-        top_k=get_int(body, "top_k", model.top_k, 0),
+        top_k=get_int(body, "top_k", None, 0),
     )
 
 

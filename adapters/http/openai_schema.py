@@ -135,7 +135,7 @@ def get_int(body: dict, name: str, default: int | None = None, lo: int | None = 
     return value
 
 
-def get_float(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+def get_float(body: dict, name: str, default: float | None, lo: float, hi: float) -> float | None:
     value = body.get(name)
     if value is None:
         return default
@@ -280,17 +280,17 @@ def _max_tokens(body: dict, model: ModelInfo, prompt_len: int, prompt_param: str
 
 
 def _sampler(body: dict, model: ModelInfo) -> SamplerSettings:
-    top_k = get_int(body, "top_k", model.top_k, -1)
-    return SamplerSettings(
-        temperature=get_float(body, "temperature", model.temperature, 0.0, 2.0),
-        top_p=_top_p(body, model),
-        top_k=max(top_k, 0),  # -1 is the common spelling of "off"
+    top_k = get_int(body, "top_k", None, -1)
+    return model.sampler(
+        temperature=get_float(body, "temperature", None, 0.0, 2.0),
+        top_p=_top_p(body),
+        top_k=None if top_k is None else max(top_k, 0),  # -1 is the common spelling of "off"
         min_p=get_float(body, "min_p", 0.0, 0.0, 0.999999),
     )
 
 
-def _top_p(body: dict, model: ModelInfo) -> float:
-    top_p = get_float(body, "top_p", model.top_p, 0.0, 1.0)
+def _top_p(body: dict) -> float | None:
+    top_p = get_float(body, "top_p", None, 0.0, 1.0)
     if top_p == 0:
         raise bad("`top_p` must be greater than 0 (use temperature 0 for greedy decoding)", "top_p")
     return top_p

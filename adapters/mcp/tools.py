@@ -70,7 +70,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         deadline = adapter.deadline()
         ws = _id(adapter.workspaces.use(workspace, roots, required=False))
         info = await adapter.ready(ctx, deadline)
-        request = _request(info, _generate_ids(info, prompt, system), max_tokens, _sampler(info, temperature), ws,
+        request = _request(info, _generate_ids(info, prompt, system), max_tokens, info.sampler(temperature=temperature), ws,
                            stop=stop or ())
         return Generation(**await adapter.run_text(ctx, request, info, deadline))
 
@@ -92,7 +92,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         ws = _id(adapter.workspaces.use(workspace, roots, required=False))
         info = await adapter.ready(ctx, deadline)
         ids = _ids(chat_prompt_ids, info.tokenizer, [m.model_dump() for m in messages])
-        request = _request(info, ids, max_tokens, _sampler(info, temperature), ws)
+        request = _request(info, ids, max_tokens, info.sampler(temperature=temperature), ws)
         return Generation(**await adapter.run_text(ctx, request, info, deadline))
 
     @server.tool(title="Fill in the middle", annotations=READ_ONLY)
@@ -219,11 +219,6 @@ def _budget(info: ModelInfo, prompt_len: int, wanted: int | None) -> int:
         raise ToolError(f"the prompt has {prompt_len} tokens; with max_tokens {wanted} that exceeds this "
                         f"model's context of {info.context_length} tokens")
     return wanted if wanted is not None else min(DEFAULT_MAX_TOKENS, room)
-
-
-def _sampler(info: ModelInfo, temperature: float | None) -> SamplerSettings:
-    return SamplerSettings(temperature=info.temperature if temperature is None else temperature,
-                           top_p=info.top_p, top_k=info.top_k)
 
 
 def _request(info: ModelInfo, ids: list[int], max_tokens: int | None, sampler: SamplerSettings,
