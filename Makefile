@@ -10,7 +10,7 @@ SHIM_STAMP := $(VENV)/.shim-built
 LOCK   := requirements.lock
 UV_VERSION := 0.13.9
 
-.PHONY: install lock start test test-slow test-kernels test-reliability doctor clean
+.PHONY: install lock start test check test-slow test-kernels test-reliability doctor clean
 
 install: $(STAMP) $(SHIM_STAMP)
 
@@ -40,6 +40,10 @@ start: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Types of the daemon and the adapters (pyproject.toml [tool.mypy]); CI runs it.
+check: install
+	$(BIN)/mypy
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
@@ -36,6 +37,10 @@ class Calibrated:
     calibration: Calibration
 
 
+# One timed decode: (temperature key, mode, depth); depth 0 for AR.
+_Run = tuple[str, Literal["ar", "mtp"], int]
+
+
 @dataclass
 class _Timing:
     seconds: float = 0.0
@@ -47,8 +52,8 @@ class CalibrateJob:
     request: CalibrateRequest
     engine: Engine
     finished: bool = False
-    _runs: list[tuple[str, str, int]] = field(default_factory=list)  # (temperature, mode, depth)
-    _timings: dict[tuple[str, str, int], _Timing] = field(default_factory=dict)
+    _runs: list[_Run] = field(default_factory=list)
+    _timings: dict[_Run, _Timing] = field(default_factory=dict)
     _current: Generation | None = None
 
     def __post_init__(self) -> None:
@@ -83,14 +88,15 @@ class CalibrateJob:
             self._current.close()
             self._current = None
 
-    def _open(self, run: tuple[str, str, int]) -> Generation:
+    def _open(self, run: _Run) -> Generation:
         key, mode, depth = run
         return self.engine.open(GenerationRequest(
             prompt=self.request.prompt_ids, sampler=SAMPLERS[key], mode=mode, depth=max(depth, 1),
             max_tokens=self.request.max_tokens, seed=0, prefill_chunk=len(self.request.prompt_ids)))
 
     def _calibration(self) -> Calibration:
-        speeds = {run: t.tokens / t.seconds for run, t in self._timings.items() if t.seconds > 0}
+        speeds: dict[tuple[str, str, int], float] = {
+            run: t.tokens / t.seconds for run, t in self._timings.items() if t.seconds > 0}
         r = self.request
         detail = f"daemon calibration: {len(r.prompt_ids)}-token prompt, {r.rounds} rounds x {r.max_tokens} tokens"
         return Calibration.from_speeds(speeds, time.time(), detail)

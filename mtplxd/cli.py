@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from engine.profiles import PROFILE_NAMES
 
@@ -53,7 +53,7 @@ def _doctor(args: argparse.Namespace) -> int:
 # -- start / stop / status ------------------------------------------------------
 
 # `start` flags that are settings (dest == Settings field); see mtplxd/config.py.
-_SETTING_FLAGS = {
+_SETTING_FLAGS: dict[str, dict[str, Any]] = {
     "--model": dict(metavar="MODEL", help="checkpoint folder, name in the models folder or pulled "
                     "repository id (default: the embedded model)"),
     "--host": dict(help="address to listen on (default 127.0.0.1; others need --api-key)"),

@@ -29,7 +29,7 @@ import time
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 import anyio
 import uvicorn
@@ -43,6 +43,9 @@ from mtplxd.requests import Failed
 from mtplxd.runtime import Runtime
 from mtplxd.scheduler import NotReady, Scheduler, SchedulerLimits
 from mtplxd.workspaces import WorkspaceRegistry, open_bank
+
+if TYPE_CHECKING:  # annotations only: the engine loads on the worker thread (load_model)
+    from engine.engine import Engine
 
 log = logging.getLogger("mtplxd.daemon")
 
@@ -106,7 +109,7 @@ def _exit(code: int) -> NoReturn:
 
 
 class Daemon:
-    def __init__(self, settings: Settings, load_engine: Callable[[], object] | None = None,
+    def __init__(self, settings: Settings, load_engine: Callable[[], Engine] | None = None,
                  warnings: list[str] | None = None):
         """`warnings`: a list others add one-line conditions to (run's log file), shown by /health."""
         self.settings = settings
@@ -212,12 +215,15 @@ class Daemon:
         planner, engine = self.scheduler.planner, self.scheduler.engine
         if self.scheduler.state != "ready" or planner is None or planner.calibration is not None or not planner.n_heads:
             return
+        calibrations = self.scheduler.calibrations
+        if engine is None or calibrations is None:  # no model, or nowhere to store a measurement
+            return
         request = CalibrateRequest(calibration_prompt(engine), max_tokens=self.settings.calibrate_tokens)
         log.info("calibrating: AR against MTP depths 1-3 at background priority")
         try:
             async for event in self.scheduler.submit(request):
                 if isinstance(event, Calibrated):
-                    self.scheduler.calibrations.put(engine.path, event.calibration)
+                    calibrations.put(engine.path, event.calibration)
                     self.scheduler.set_calibration(event.calibration)
                     log.info("calibrated: %s", planner.describe())
                 elif isinstance(event, Failed):
@@ -243,6 +249,8 @@ class Daemon:
     async def _publish_address(self) -> None:
         """Write daemon.json once the server listens: its existence means "connect now"."""
         server = self.server
+        if server is None:  # set before this task starts (_serve_locked)
+            return
         while not server.started:
             if server.should_exit:
                 return
@@ -270,8 +278,9 @@ class Daemon:
             receiver = anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
             with receiver as signals:
                 async for signum in signals:
-                    if self.server.should_exit:  # a second signal: stop waiting for streams
-                        self.server.force_exit = True
+                    server = self.server
+                    if server is not None and server.should_exit:  # a second signal: stop waiting for streams
+                        server.force_exit = True
                     log.info("received %s: shutting down", signal.Signals(signum).name)
                     self.shutdown()
         except (ValueError, RuntimeError, NotImplementedError):
@@ -287,7 +296,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def load_model(path: Path) -> object:
+def load_model(path: Path) -> Engine:
     """Runs on the scheduler's worker thread."""
     import engine  # noqa: F401  (sets up BLAS before mlx.core loads)
     from engine.engine import Engine
@@ -353,7 +362,8 @@ class PidLock:
 
     def __exit__(self, *exc) -> None:
         self.path.unlink(missing_ok=True)  # before unlocking: no one sees a stale file
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
         self.fd = None
 
 

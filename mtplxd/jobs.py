@@ -28,8 +28,8 @@ from engine.profiles import DecodePlan
 from engine.sessions.bank import SessionBank
 from engine.sessions.state import SnapshotMismatch
 from mtplxd.requests import (
-    Done, EmbedRequest, Embeddings, Event, Failed, MTPStats, Priority, TextDelta, TextRequest, Usage, Warmed,
-    WarmRequest,
+    Done, EmbedRequest, Embeddings, Event, Failed, FinishReason, MTPStats, Priority, TextDelta, TextRequest, Usage,
+    Warmed, WarmRequest,
 )
 
 log = logging.getLogger("mtplxd.jobs")
@@ -199,8 +199,10 @@ class TextJob:
         events: list[Event] = []
         if text or result.tokens:
             events.append(TextDelta(text, tuple(result.tokens), result.drafted, tuple(result.accepted)))
-        if hit_stop or finish:
-            events.append(self._done("stop" if hit_stop else finish))
+        if hit_stop:
+            events.append(self._done("stop"))
+        elif finish:
+            events.append(self._done(finish))
         return events
 
     def _healed(self, text: str) -> str:
@@ -210,7 +212,7 @@ class TextJob:
         self.unhealed = self.unhealed[n:]
         return text[n:]
 
-    def _done(self, reason: str) -> Done:
+    def _done(self, reason: FinishReason) -> Done:
         self.finished = True
         now = time.perf_counter()
         first = self.first_token_at or now

@@ -96,9 +96,13 @@ class Usage:
     cached_tokens: int = 0
 
 
+FinishReason = Literal["stop", "length"]
+FailureKind = Literal["shutdown", "internal", "invalid"]
+
+
 @dataclass(frozen=True)
 class Done:
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     usage: Usage
     mtp: MTPStats
     time_to_first_token_s: float
@@ -122,7 +126,7 @@ class Warmed:
 @dataclass(frozen=True)
 class Failed:
     message: str
-    kind: Literal["shutdown", "internal", "invalid"] = "internal"
+    kind: FailureKind = "internal"
 
 
 Event = TextDelta | Done | Embeddings | Warmed | Failed

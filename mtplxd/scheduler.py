@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import anyio
 import anyio.from_thread
@@ -38,7 +38,16 @@ from engine.profiles import (
 )
 from mtplxd.calibrate import CalibrateJob, CalibrateRequest
 from mtplxd.jobs import EmbedJob, TextJob, WarmJob
-from mtplxd.requests import EmbedRequest, Event, Failed, Priority, TextRequest, WarmRequest
+from mtplxd.requests import EmbedRequest, Event, Failed, FailureKind, Priority, TextRequest, WarmRequest
+
+if TYPE_CHECKING:  # annotations only
+    from engine.engine import Engine
+    from engine.sessions.bank import SessionBank
+
+# What the worker runs: the adapters' requests, and the daemon's own calibration.
+Request = TextRequest | EmbedRequest | WarmRequest | CalibrateRequest
+Job = TextJob | EmbedJob | WarmJob | CalibrateJob
+State = Literal["loading", "ready", "failed", "stopping", "stopped"]
 
 log = logging.getLogger("mtplxd.scheduler")
 
@@ -64,7 +73,7 @@ class SchedulerLimits:
 
 @dataclass
 class SchedulerStats:
-    state: str
+    state: State
     active: int
     queued_by_class: dict[str, int]
     completed: int
@@ -94,24 +103,24 @@ class Ticket:
 @dataclass(eq=False)
 class _Entry:
     id: int
-    request: TextRequest | EmbedRequest | WarmRequest
+    request: Request
     send: MemoryObjectSendStream
     submitted: float = field(default_factory=time.perf_counter)
-    job: TextJob | EmbedJob | WarmJob | None = None
+    job: Job | None = None
     cancelled: bool = False
 
 
 class Scheduler:
-    def __init__(self, load_engine: Callable[[], object], limits: SchedulerLimits = SchedulerLimits(),
-                 bank: object | None = None, calibrations: CalibrationStore | None = None):
+    def __init__(self, load_engine: Callable[[], Engine], limits: SchedulerLimits = SchedulerLimits(),
+                 bank: SessionBank | None = None, calibrations: CalibrationStore | None = None):
         self._load_engine = load_engine
         self.limits = limits
         self.calibrations = calibrations  # measured depth choices per model and machine
         self.planner: DecodePlanner | None = None  # set once the model has loaded
-        self.bank = bank  # an engine.sessions.bank.SessionBank, bound once the model has loaded
+        self.bank = bank  # bound once the model has loaded
         self.on_workspace: Callable[[str], None] | None = None  # the daemon's workspace registry
-        self.engine = None
-        self.state: Literal["loading", "ready", "failed", "stopping", "stopped"] = "loading"
+        self.engine: Engine | None = None
+        self.state: State = "loading"
         self.load_error: str | None = None
         self._cond = threading.Condition()
         self._queues: dict[Priority, deque[_Entry]] = {p: deque() for p in Priority}
@@ -127,7 +136,7 @@ class Scheduler:
         limiter = anyio.CapacityLimiter(1)
         await anyio.to_thread.run_sync(self._worker, limiter=limiter, abandon_on_cancel=True)
 
-    def submit(self, request: TextRequest | EmbedRequest | WarmRequest) -> Ticket:
+    def submit(self, request: Request) -> Ticket:
         if self.state == "failed":
             raise NotReady(f"model failed to load: {self.load_error}")
         if self.state in ("stopping", "stopped"):
@@ -293,15 +302,18 @@ class Scheduler:
         if finished:
             self._finish(entry)
 
-    def _start(self, request: TextRequest | EmbedRequest | WarmRequest) -> TextJob | EmbedJob | WarmJob:
+    def _start(self, request: Request) -> Job:
+        engine = self.engine
+        if engine is None:
+            raise NotReady("the model has not loaded")
         if isinstance(request, EmbedRequest):
-            return EmbedJob(request, self.engine)
+            return EmbedJob(request, engine)
         if isinstance(request, WarmRequest):
-            return WarmJob(request, self.engine, self.bank)
+            return WarmJob(request, engine, self.bank)
         if isinstance(request, CalibrateRequest):
-            return CalibrateJob(request, self.engine)
+            return CalibrateJob(request, engine)
         seed = request.seed if request.seed is not None else random.getrandbits(31)
-        return TextJob(request, self.engine, self.plan(request), seed, self.bank)
+        return TextJob(request, engine, self.plan(request), seed, self.bank)
 
     def _deliver(self, entry: _Entry, event: Event) -> None:
         if self.on_event is not None:
@@ -329,7 +341,7 @@ class Scheduler:
         except RuntimeError:
             pass
 
-    def _fail_all(self, message: str, kind: str) -> None:
+    def _fail_all(self, message: str, kind: FailureKind) -> None:
         """End every job with a final error event (never while holding the lock:
         delivering waits on the event loop, which may be waiting on the lock)."""
         with self._cond:

@@ -91,21 +91,20 @@ class ToolParser:
 
     def _advance(self, out: list[Piece]) -> bool:
         """Consume up to the next marker; False when the rest must wait for more text."""
-        inside = self.body is not None
         # Inside a call, a new start (or a group marker) also ends it: the model
         # forgot the end marker. Outside, a stray end marker is swallowed.
         markers = (self.end, self.start, *self.groups)
         hit = find_first(self.pending, markers)
         if hit is None:
             cut = len(self.pending) - partial_marker(self.pending, markers)
-            if inside:
+            if self.body is not None:  # inside a call
                 self.body += self.pending[:cut]
             else:
                 self._text(self.pending[:cut], out)
             self.pending = self.pending[cut:]
             return False
         i, marker = hit
-        if inside:
+        if self.body is not None:  # inside a call
             self._close_call(self.body + self.pending[:i], out)
             self.body = None
         else:

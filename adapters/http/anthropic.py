@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from adapters.http.anthropic_schema import parse_messages, with_text
 from adapters.http.anthropic_stream import TOOL_ID_PREFIX, MessageShape, message_events
-from adapters.http.openai_schema import parse_json, parse_priority
+from adapters.http.openai_schema import ApiError, parse_json, parse_priority
 from adapters.http.openai_stream import Releasing, Run, collect, final
 from adapters.http.sessions import with_workspace
 from mtplxd.requests import Done, TextDelta
@@ -54,10 +54,12 @@ class _Messages:
         params = with_text(params, with_workspace(params.text, request, body))
         shape = MessageShape(model.id, params.thinking)
         turn, prompt_tokens = params.text.turn, len(params.text.request.prompt_ids)
+        if turn is None:  # parse_messages renders every conversation as a chat turn
+            raise ApiError(500, "the messages were not rendered as a chat turn", code="internal_error")
         run = Run(self.api.submit(params.text.request), self.api.metrics, request.url.path)
         if params.text.stream:
-            events = message_events(run, shape, turn, prompt_tokens)
-            return Releasing(EventSourceResponse(events, ping=SSE_PING_S), run)
+            stream = message_events(run, shape, turn, prompt_tokens)
+            return Releasing(EventSourceResponse(stream, ping=SSE_PING_S), run)
         try:
             events = await collect(request, run)
         finally:

@@ -179,7 +179,7 @@ class _Api:
     async def health(self, request: Request) -> Any:
         stats = self.runtime.stats()
         status = HEALTH_STATUS.get(stats.state, stats.state)
-        body = {
+        body: dict[str, Any] = {
             "status": status,
             "model": self.runtime.model_id(),
             "uptime_s": round(time.monotonic() - self.started, 3),

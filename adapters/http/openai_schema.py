@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.profiles import PROFILE_NAMES
 from engine.prompts import Heal, completion_prompt_ids, healed_fim_prompt_ids
@@ -256,7 +256,7 @@ def text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: s
     return TextParams(request, stream, _include_usage(body, stream))
 
 
-def decode_extensions(body: dict) -> tuple[str | None, str | None]:
+def decode_extensions(body: dict) -> tuple[Literal["ar", "mtp"] | None, str | None]:
     """This daemon's request extensions `generation_mode` ("mtp" | "ar") and `profile`
     (engine/profiles.py). Unset, the daemon's profile and its measurement decide."""
     mode = body.get("generation_mode")
@@ -281,11 +281,12 @@ def _max_tokens(body: dict, model: ModelInfo, prompt_len: int, prompt_param: str
 
 def _sampler(body: dict, model: ModelInfo) -> SamplerSettings:
     top_k = get_int(body, "top_k", None, -1)
+    min_p = get_float(body, "min_p", None, 0.0, 0.999999)
     return model.sampler(
         temperature=get_float(body, "temperature", None, 0.0, 2.0),
         top_p=_top_p(body),
         top_k=None if top_k is None else max(top_k, 0),  # -1 is the common spelling of "off"
-        min_p=get_float(body, "min_p", 0.0, 0.0, 0.999999),
+        min_p=0.0 if min_p is None else min_p,
     )
 
 

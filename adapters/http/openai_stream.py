@@ -178,6 +178,7 @@ async def sse(run: Run, shape: Shape, include_usage: bool, reader: Reader | None
                     yield shape.chunk([choice], **extra)
             elif isinstance(event, Done):
                 stats = stats_body(event)
+                reason: str  # the reader may answer "tool_calls"
                 reason, fields = event.finish_reason, {}
                 if reader:
                     for choice in reader.finish():

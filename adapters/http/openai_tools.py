@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from adapters.common.chat_turn import ToolSpec
+from adapters.common.chat_turn import Choice, ToolSpec
 from adapters.http.openai_schema import bad
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -78,7 +78,7 @@ def unique(tools: list[dict], param: str) -> tuple[dict, ...]:
     return tuple(tools)
 
 
-def _tool_choice(value: Any, tools: tuple[dict, ...]) -> tuple[str, str | None]:
+def _tool_choice(value: Any, tools: tuple[dict, ...]) -> tuple[Choice, str | None]:
     if value is None:
         return ("auto" if tools else "none"), None
     if value in ("auto", "none"):
@@ -93,7 +93,7 @@ def _tool_choice(value: Any, tools: tuple[dict, ...]) -> tuple[str, str | None]:
     return named_choice(name, tools, "tool_choice")
 
 
-def named_choice(name: str | None, tools: tuple[dict, ...], param: str) -> tuple[str, str | None]:
+def named_choice(name: str | None, tools: tuple[dict, ...], param: str) -> tuple[Choice, str | None]:
     """("required", None) or ("named", name), checked against the declared tools."""
     if not tools:
         raise bad(f"`{param}` asks for a tool call but no `tools` were given", param)

@@ -291,6 +291,7 @@ class PromptBuilder:
         if cached is not None:
             return cached
         repo = self.file_sep is not None
+        sep = [self.file_sep] if self.file_sep is not None else []  # what starts each file (repository layout)
         ids: list[int] = []
         if repo and self.repo_name is not None:
             ids += [self.repo_name, *self.encode(f"{workspace_name or 'workspace'}\n")]
@@ -310,9 +311,9 @@ class PromptBuilder:
             text = header + "".join(body)
             text += "" if text.endswith("\n") else "\n"
             text += "" if repo else "\n"  # a blank line between files
-            ids += ([self.file_sep] if repo else []) + self.encode(text)
+            ids += sep + self.encode(text)
         if repo:
-            ids += [self.file_sep, *self.encode(f"{path}\n")]
+            ids += [*sep, *self.encode(f"{path}\n")]
         elif path:
             ids += self.encode(f"{comment_prefix(language_id, path)} {path}\n")
         if len(self._context) > 64:

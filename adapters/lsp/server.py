@@ -34,7 +34,7 @@ import asyncio
 import logging
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable, cast
 from urllib.parse import unquote
 
 from lsprotocol import types
@@ -66,8 +66,9 @@ class _Pending:
 
 
 class _Protocol(LanguageServerProtocol):
+    # pygls runs plain handlers too: its own is a generator (it chains the user handler, then exits)
     @lsp_method(types.EXIT)
-    def lsp_exit(self, *args: Any) -> None:
+    def lsp_exit(self, *args: Any) -> None:  # type: ignore[override]
         """End this connection, never the daemon (pygls' own handler exits the process)."""
         self._server.close()  # type: ignore[attr-defined]
 
@@ -101,6 +102,7 @@ class CompletionServer(LanguageServer):
 
     def _register(self, name: str, method: Any, options: Any = None) -> None:
         """pygls marks its handlers with attributes, which bound methods cannot carry: wrap them."""
+        handler: Callable[[Any], Any]
         if asyncio.iscoroutinefunction(method):
             async def handler(params: Any) -> Any:
                 return await method(params)
@@ -137,7 +139,9 @@ class CompletionServer(LanguageServer):
         """Tell the daemon's registry which folders this editor opened: MCP tools may use them."""
         registry = self.runtime.workspaces  # None: a daemon without one (tests)
         paths = [uri_path(uri) for uri in uris if uri]
-        for path in filter(None, paths if registry is not None else ()):
+        if registry is None:
+            return
+        for path in filter(None, paths):
             registry.open_in_editor(path)
 
     def _did_change_configuration(self, params: types.DidChangeConfigurationParams) -> None:
@@ -223,7 +227,8 @@ class CompletionServer(LanguageServer):
         except ValueError as e:
             raise JsonRpcInvalidParams(str(e)) from None
         self.stats.requests += 1
-        me = _Pending(asyncio.current_task(), snap.version)
+        # a coroutine handler: pygls runs it in a task (ensure_future), so there is a current one
+        me = _Pending(cast(asyncio.Task, asyncio.current_task()), snap.version)
         previous = self.pending.get(key)
         if previous is not None:
             previous.task.cancel()  # superseded

@@ -183,4 +183,4 @@ class Figures:
 
 
 def _as_dict(figures: Any) -> dict[str, Any]:
-    return asdict(figures) if is_dataclass(figures) else dict(figures)
+    return asdict(figures) if is_dataclass(figures) and not isinstance(figures, type) else dict(figures)

@@ -27,7 +27,7 @@ import stat
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Iterable
+from typing import Annotated, Any, Iterable, Literal, overload
 from urllib.parse import unquote, urlparse
 
 from mcp.server.mcpserver import Context, ListRoots, Resolve
@@ -79,6 +79,11 @@ class WorkspaceGuard:
         self.runtime = runtime
         self._roots: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # session id -> root folders
 
+    @overload
+    def use(self, value: str | None, roots: tuple[str, ...], required: Literal[True]) -> Folder: ...
+    @overload
+    def use(self, value: str | None, roots: tuple[str, ...], required: bool) -> Folder | None: ...
+
     def use(self, value: str | None, roots: tuple[str, ...], required: bool) -> Folder | None:
         """The workspace a call names, when it may use it (None: none named and optional);
         else a ToolError saying how to allow it."""
@@ -128,7 +133,9 @@ class WorkspaceGuard:
         roots, so that its next call asks again."""
         if ctx.method == ROOTS_CHANGED:
             headers = getattr(ctx.request, "headers", None) or {}
-            self._roots.pop(headers.get(SESSION_HEADER), None)
+            session = headers.get(SESSION_HEADER)
+            if session is not None:
+                self._roots.pop(session, None)
         return await call_next(ctx)
 
 

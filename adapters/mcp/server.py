@@ -167,8 +167,7 @@ class McpAdapter:
         ticket = self.submit(request)
         parts: list[str] = []
         tokens, last_report, first = 0, 0.0, None
-        info = self.runtime.model()
-        plan = self.runtime.plan(request) if info is not None and info.mtp_heads else None
+        plan = self.runtime.plan(request) if info.mtp_heads else None
         mtp = MTPStats(depth=plan.depth if plan is not None and plan.mode == "mtp" else 0)
         done: Done | None = None
         try:

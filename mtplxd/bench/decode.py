@@ -18,6 +18,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import engine  # BLAS before mlx
 import mlx.core as mx
@@ -38,7 +39,7 @@ TEMPERATURES = {key: SamplerSettings(temperature=t, top_p=0.95 if t > 0 else 1.0
 
 @dataclass
 class Config:
-    mode: str
+    mode: Literal["ar", "mtp"]
     depth: int
     temperature: str
 

@@ -141,7 +141,18 @@ async def _timed(future, sent: float) -> tuple[str, float]:
 
 
 async def status(lsp: LanguageClient) -> dict:
-    return await lsp.workspace_execute_command_async(types.ExecuteCommandParams("mtplxd.status"))
+    result = await lsp.workspace_execute_command_async(types.ExecuteCommandParams("mtplxd.status"))
+    if result is None:
+        raise RuntimeError("mtplxd.status returned no result")
+    return result
+
+
+def _daemon_url(state_dir: Path) -> str:
+    """The running daemon's URL (the LSP server's requests started it)."""
+    url = daemon_client.daemon_url(state_dir)
+    if url is None:
+        raise RuntimeError(f"no running daemon in {state_dir}")
+    return url
 
 
 class Background(threading.Thread):
@@ -203,7 +214,7 @@ async def bench(args: argparse.Namespace, env: dict, state_dir: Path) -> list[Ph
         phases.append(idle)
 
         loaded = Phase("loaded (1 HTTP stream)")
-        background = Background(daemon_client.daemon_url(state_dir), os.environ.get("MTPLXD_API_KEY"))
+        background = Background(_daemon_url(state_dir), os.environ.get("MTPLXD_API_KEY"))
         background.start()
         await asyncio.sleep(1.0)  # the stream is generating
         await replay(lsp, loaded, before, after, keys, args.key_ms, args.pause_ms,

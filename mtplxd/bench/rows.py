@@ -17,12 +17,14 @@ import argparse
 import ctypes
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import engine  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import mimo
 
+from engine.backends.base import Backend
 from engine.backends.mimo import MiMoBackend
 from engine.blas import ensure_fast_blas, set_threads
 
@@ -40,7 +42,7 @@ def trunk(hidden: int, layers: int) -> MiMoBackend:
     return MiMoBackend(model, [])
 
 
-def forward_step(backend: MiMoBackend, cache: list, length: int) -> Callable[[], None]:
+def forward_step(backend: Backend, cache: list, length: int) -> Callable[[], None]:
     """One evaluated trunk forward of `length` tokens, its cache entries trimmed
     again, so that every call runs at the same context."""
     def step():
@@ -81,7 +83,9 @@ def main() -> None:
     for size in args.sizes.split(","):
         hidden, layers = map(int, size.split("x"))
         backend = trunk(hidden, layers)
-        params = sum(v.size for _, v in tree_flatten(backend.trunk.parameters()))
+        # without `destination`, tree_flatten returns a list of (key, value) (its hint says list or dict)
+        flat = cast(list[tuple[str, Any]], tree_flatten(backend.trunk.parameters()))
+        params = sum(v.size for _, v in flat)
         cache = backend.make_cache()
         mx.eval(backend.forward(mx.arange(args.context)[None] % 4096, cache))
         repeats = max(3, int(2000 / max(hidden, 1) ** 1.2))

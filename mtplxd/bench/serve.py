@@ -125,7 +125,10 @@ def scratch_daemon(model: str | None):
             cmd += ["--model", model]
         subprocess.run(cmd, check=True)
         try:
-            host, port = read_address(Path(state))
+            address = read_address(Path(state))
+            if address is None:  # `start --detach` returned: the daemon should be listening
+                raise RuntimeError(f"the daemon in {state} published no address")
+            host, port = address
             yield f"http://{host}:{port}"
         finally:
             subprocess.run([sys.executable, "-m", "mtplxd", "stop", "--state-dir", state], check=False)

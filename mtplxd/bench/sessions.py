@@ -105,7 +105,10 @@ class Daemon:
         if self.model:
             cmd += ["--model", self.model]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        host, port = read_address(self.state)
+        address = read_address(self.state)
+        if address is None:  # `start --detach` returned: the daemon should be listening
+            raise RuntimeError(f"the daemon in {self.state} published no address")
+        host, port = address
         return f"http://{host}:{port}"
 
     def stop(self) -> None:

@@ -52,9 +52,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from mtplxd import client
+
+if TYPE_CHECKING:  # annotations only: `mcp` is imported when the command runs
+    from mcp.client.session import ListRootsFnT
 
 MCP_PATH = "/mcp"  # where the daemon serves MCP (adapters/mcp/server.py MCP_PATH)
 CONNECT_TIMEOUT_S = 45.0  # find or start the daemon, and connect to it
@@ -120,7 +123,7 @@ class Upstream:
         self._changed = anyio.Event()  # replaced at each change of _client / _failure
         self._attempt = anyio.Event()  # set: the owner should connect
         self._drop = anyio.Event()  # set: the owner should close the connection
-        self.list_roots: Callable[[Any], Awaitable[Any]] | None = None  # answers the daemon's roots/list
+        self.list_roots: ListRootsFnT | None = None  # answers the daemon's roots/list
 
     def want(self) -> None:
         """Find or start the daemon now, in the background."""
@@ -348,6 +351,7 @@ class Shim:
         started the agent."""
         import anyio
         from mcp.types import ListRootsRequest, ListRootsResult, Root
+        from pydantic import FileUrl
 
         agent = self._agent
         capabilities = agent.client_capabilities if agent is not None else None
@@ -358,7 +362,7 @@ class Shim:
             except Exception as e:  # an agent that declares roots but cannot list them
                 log.warning("the agent did not list its roots (%s: %s); declaring %s", type(e).__name__, e,
                             self.workspace)
-        return ListRootsResult(roots=[Root(uri=Path(self.workspace).as_uri(), name="mtplxd mcp workspace")])
+        return ListRootsResult(roots=[Root(uri=FileUrl(Path(self.workspace).as_uri()), name="mtplxd mcp workspace")])
 
     async def roots_changed(self, ctx: Any, params: Any) -> None:
         """The agent's roots changed: the daemon forgets the ones it has from this shim."""

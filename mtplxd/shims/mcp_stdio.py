@@ -114,7 +114,7 @@ async def _serve_lines(lines: Any, to_server: Any, wire: _Wire) -> None:
             if not line.strip():
                 continue
             message, error = _parse(line)
-            if message is not None:
+            if error is None:
                 await to_server.send(SessionMessage(message))
             else:
                 log.warning("stdin: %s; answered with error %d: %s", error["error"]["message"],
