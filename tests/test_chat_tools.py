@@ -11,7 +11,7 @@ import engine  # noqa: F401  (BLAS before mlx)
 from adapters.http.anthropic_schema import conversation, tool_spec
 from adapters.common.chat_turn import ToolSpec, render_chat
 from adapters.common.json_output import parse_response_format
-from adapters.http.openai_schema import ApiError
+from adapters.common.errors import ApiError
 from adapters.http.openai_tools import openai_tool_spec, template_kwargs
 from adapters.common.tool_parsers import HermesParser
 from engine.engine import load_tokenizer

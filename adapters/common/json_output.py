@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import SchemaError
 
-from adapters.http.openai_schema import bad
+from adapters.common.errors import bad
 
 
 @dataclass(frozen=True)

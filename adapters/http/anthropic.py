@@ -22,7 +22,8 @@ from starlette.routing import Route
 
 from adapters.http.anthropic_schema import parse_messages, with_text
 from adapters.http.anthropic_stream import TOOL_ID_PREFIX, MessageShape, message_events
-from adapters.http.openai_schema import ApiError, parse_json, parse_priority
+from adapters.common.errors import ApiError
+from adapters.http.openai_schema import parse_json, parse_priority
 from adapters.http.openai_stream import Releasing, Run, collect, final
 from adapters.http.sessions import with_workspace
 from mtplxd.requests import Done, TextDelta

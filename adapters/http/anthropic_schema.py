@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters.common.chat_turn import ToolSpec, render_chat
+from adapters.common.errors import ApiError, bad
 from adapters.http.openai_schema import (
-    DEFAULT_MODEL_ALIAS, ApiError, ModelInfo, TextParams, bad, decode_extensions, get_bool, get_float, get_int,
-    get_str,
+    DEFAULT_MODEL_ALIAS, TextParams, decode_extensions, get_bool, get_float, get_int, get_str,
 )
 from adapters.http.openai_tools import check_function, named_choice, unique
 from engine.sampler_settings import SamplerSettings
 from mtplxd.requests import Priority, TextRequest
+from mtplxd.runtime import ModelInfo
 
 MAX_STOP_SEQUENCES = 256
 IMAGE_OMITTED = "[image omitted: this model reads text only]"

@@ -26,7 +26,7 @@ from sse_starlette import ServerSentEvent
 
 from adapters.http.anthropic_schema import error_body
 from adapters.common.chat_turn import ChatTurn
-from adapters.http.openai_schema import ApiError
+from adapters.common.errors import ApiError
 from adapters.http.openai_stream import Run, failure
 from adapters.common.streaming_text import Reasoning, Text
 from adapters.common.tool_parsers import Call

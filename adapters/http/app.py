@@ -62,9 +62,8 @@ from adapters.http.body_limit import BodyLimit
 from adapters.http.guard import HostOriginGuard, cors_options
 from adapters.http.metrics import CONTENT_TYPE, Metrics, RequestCounter
 from adapters.http.openai_chat import ChatReader, chat_message, parse_chat
-from adapters.http.openai_schema import (
-    ApiError, TextParams, parse_completion, parse_embeddings, parse_json, parse_priority,
-)
+from adapters.common.errors import ApiError
+from adapters.http.openai_schema import TextParams, parse_completion, parse_embeddings, parse_json, parse_priority
 from adapters.http.openai_stream import Releasing, Run, Shape, collect, final, sse
 from adapters.http.sessions import session_routes, with_workspace
 from mtplxd.config import Settings

@@ -14,7 +14,8 @@ from typing import Any
 
 from adapters.common.chat_turn import ChatTurn, Reply, read_all, render_chat
 from adapters.common.json_output import ResponseFormat, parse_response_format
-from adapters.http.openai_schema import TextParams, bad, check_model, text_params
+from adapters.common.errors import bad
+from adapters.http.openai_schema import TextParams, check_model, text_params
 from mtplxd.runtime import ModelInfo
 from adapters.http.openai_tools import openai_tool_spec, template_kwargs
 from adapters.common.streaming_text import Reasoning, Text

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from engine.profiles import PROFILE_NAMES
 from engine.prompts import Heal, completion_prompt_ids, healed_fim_prompt_ids
 from engine.sampler_settings import SamplerSettings
+from adapters.common.errors import ApiError, bad
 from mtplxd.requests import EmbedRequest, Priority, TextRequest
 from mtplxd.runtime import ModelInfo
 
@@ -27,30 +28,6 @@ DEFAULT_MAX_TOKENS = 512
 MAX_STOPS = 4  # OpenAI's limit
 MAX_EMBED_INPUTS = 2048  # OpenAI's limit
 DEFAULT_MODEL_ALIAS = "default"  # accepted besides the loaded model's id
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-                415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _ERROR_TYPES.get(status, "server_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
 @dataclass(frozen=True)
 class TextParams:
     request: TextRequest

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from adapters.http.metrics import Metrics
-from adapters.http.openai_schema import ApiError
+from adapters.common.errors import ApiError
 from mtplxd.requests import Done, Embeddings, Failed, TextDelta
 from mtplxd.scheduler import Ticket
 

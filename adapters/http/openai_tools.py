@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from adapters.common.chat_turn import Choice, ToolSpec
-from adapters.http.openai_schema import bad
+from adapters.common.errors import bad
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 # Names the template call itself sets: a client may not override them.

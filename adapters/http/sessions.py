@@ -22,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from adapters.http.openai_schema import ApiError, TextParams, bad
+from adapters.common.errors import ApiError, bad
+from adapters.http.openai_schema import TextParams
 from mtplxd.runtime import Runtime
 from mtplxd.workspaces import normalize_workspace
 
