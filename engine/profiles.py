@@ -28,10 +28,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
+from engine.sampler_settings import SamplerSettings
+
 PROFILE_NAMES = ("sustained", "burst", "turbo")
 CALIBRATION_FILE = "calibration.json"
 # Temperatures a calibration measures; a request uses the nearest one.
 MEASURED_TEMPERATURES = {"t0": 0.0, "t0.6": 0.6}
+# The sampler measured at each (mtplxd bench and the background calibration alike):
+# greedy, or nucleus sampling as chat clients use it.
+MEASURED_SAMPLERS = {key: SamplerSettings(temperature=t, top_p=0.95 if t > 0 else 1.0)
+                     for key, t in MEASURED_TEMPERATURES.items()}
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,7 @@ from typing import Literal
 
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
-from engine.profiles import Calibration
-from mtplxd.bench.decode import TEMPERATURES as SAMPLERS, held_out_prompts
+from engine.profiles import MEASURED_SAMPLERS, Calibration
 from mtplxd.requests import Priority
 
 
@@ -59,7 +58,7 @@ class CalibrateJob:
     def __post_init__(self) -> None:
         depths = [d for d in self.request.depths if d >= 1] if self.engine.backend.n_heads else []
         for _ in range(self.request.rounds):
-            for key in SAMPLERS:
+            for key in MEASURED_SAMPLERS:
                 for depth in depths:  # AR right before each depth: machine noise hits both alike
                     self._runs += [(key, "ar", 0), (key, "mtp", depth)]
 
@@ -91,7 +90,7 @@ class CalibrateJob:
     def _open(self, run: _Run) -> Generation:
         key, mode, depth = run
         return self.engine.open(GenerationRequest(
-            prompt=self.request.prompt_ids, sampler=SAMPLERS[key], mode=mode, depth=max(depth, 1),
+            prompt=self.request.prompt_ids, sampler=MEASURED_SAMPLERS[key], mode=mode, depth=max(depth, 1),
             max_tokens=self.request.max_tokens, seed=0, prefill_chunk=len(self.request.prompt_ids)))
 
     def _calibration(self) -> Calibration:
@@ -104,6 +103,8 @@ class CalibrateJob:
 
 def calibration_prompt(engine: Engine, max_tokens: int = 512) -> tuple[int, ...]:
     """The opening of a held-out standard-library module (mtplxd bench's first prompt)."""
+    from mtplxd.bench.decode import held_out_prompts  # the bench module only when calibrating
+
     texts = held_out_prompts(1) or ["def main(argv):\n    "]
     ids = engine.tokenizer.encode(texts[0])
     return tuple(ids[-max_tokens:])

@@ -54,11 +54,11 @@ def run(name: str, tests: list[str], report: Path) -> tuple[bool, str, float]:
     started = time.monotonic()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
-    summary = lines[-1].strip("= ") if lines else done.stderr.strip().splitlines()[-1:]
+    summary = (lines or done.stderr.strip().splitlines() or ["no output"])[-1].strip("= ")
     if done.returncode != 0:
         failed = [line for line in lines if line.startswith("FAILED")]
         print("\n".join(failed[:20]) or done.stdout[-3000:] + done.stderr[-2000:])
-    return done.returncode == 0, str(summary), time.monotonic() - started
+    return done.returncode == 0, summary, time.monotonic() - started
 
 
 def kernel_line() -> str:

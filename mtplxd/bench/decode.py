@@ -26,15 +26,10 @@ import mlx.core as mx
 from engine.checkpoint import read_config
 from engine.engine import Engine
 from engine.profiles import (
-    MEASURED_TEMPERATURES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
+    MEASURED_SAMPLERS, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
 )
 from engine.generation import GenerationRequest
-from engine.sampler_settings import SamplerSettings
 
-# The sampler measured at each of the profiles' temperatures (the bench and the background
-# calibration alike): greedy, or nucleus sampling as chat clients use it.
-TEMPERATURES = {key: SamplerSettings(temperature=t, top_p=0.95 if t > 0 else 1.0)
-                for key, t in MEASURED_TEMPERATURES.items()}
 
 
 @dataclass
@@ -72,7 +67,7 @@ def held_out_prompts(n: int, chars: int = 1200) -> list[str]:
 
 
 def run_once(engine_: Engine, ids: tuple[int, ...], config: Config, max_tokens: int, tally: Tally) -> None:
-    sampler = TEMPERATURES[config.temperature]
+    sampler = MEASURED_SAMPLERS[config.temperature]
     gen = engine_.open(GenerationRequest(prompt=ids, sampler=sampler, mode=config.mode, depth=max(config.depth, 1),
                                          max_tokens=max_tokens, seed=0, prefill_chunk=4096))
     start = time.perf_counter()
@@ -114,7 +109,7 @@ def bench(engine_: Engine, prompts: list[str], depths: list[int], rounds: int, m
     mx.reset_peak_memory()
     usable = depths if engine_.backend.n_heads else []
     for _ in range(rounds):
-        for temperature in TEMPERATURES:
+        for temperature in MEASURED_SAMPLERS:
             plan = configs(usable, temperature) if usable else [Config("ar", 0, temperature)]
             for config in plan:
                 for ids in encoded:
@@ -130,7 +125,7 @@ def report(engine_: Engine, tallies: dict[tuple, Tally]) -> dict:
     for (mode, depth, temperature), t in sorted(tallies.items(), key=lambda kv: (kv[0][2], kv[0][0] != "ar", kv[0][1])):
         acceptance = [a / r for a, r in zip(t.accepted, t.reached) if r][:depth] if mode == "mtp" else []
         runs.append({
-            "mode": mode, "depth": depth, "temperature": float(TEMPERATURES[temperature].temperature),
+            "mode": mode, "depth": depth, "temperature": float(MEASURED_SAMPLERS[temperature].temperature),
             "decode_tok_s": round(statistics.median(t.decode_tok_s), 2),
             "prefill_tok_s": round(statistics.median(t.prefill_tok_s), 1),
             "acceptance_by_depth": [round(a, 3) for a in acceptance],
@@ -138,7 +133,7 @@ def report(engine_: Engine, tallies: dict[tuple, Tally]) -> dict:
             "ms_per_token": per_token(t),
         })
     speedup = {}
-    for name, sampler in TEMPERATURES.items():
+    for name, sampler in MEASURED_SAMPLERS.items():
         at = [r for r in runs if r["temperature"] == sampler.temperature]
         ar = next((r["decode_tok_s"] for r in at if r["mode"] == "ar"), None)
         best = max((r["decode_tok_s"] for r in at if r["mode"] == "mtp"), default=None)
@@ -176,7 +171,7 @@ def run(model: str | None, prompts: int, rounds: int, max_tokens: int, depths: l
     chosen = get_profile(profile) if profile else auto_profile(read_config(engine_.path))
     texts = held_out_prompts(prompts)
     n_configs = 2 * len(depths) if engine_.backend.n_heads else 1
-    with tqdm(total=rounds * len(TEMPERATURES) * n_configs * len(texts), desc="bench", unit="run") as bar:
+    with tqdm(total=rounds * len(MEASURED_SAMPLERS) * n_configs * len(texts), desc="bench", unit="run") as bar:
         result = bench(engine_, texts, depths, rounds, max_tokens, bar)
     result["profile"] = chosen.name
     print_table(result)

@@ -42,6 +42,7 @@ from pygls.exceptions import JsonRpcException
 from pygls.lsp.client import LanguageClient
 
 from mtplxd import client as daemon_client
+from mtplxd.config import load_settings
 
 
 @dataclass
@@ -214,7 +215,8 @@ async def bench(args: argparse.Namespace, env: dict, state_dir: Path) -> list[Ph
         phases.append(idle)
 
         loaded = Phase("loaded (1 HTTP stream)")
-        background = Background(_daemon_url(state_dir), os.environ.get("MTPLXD_API_KEY"))
+        api_key = load_settings({"state_dir": str(state_dir)}).api_key  # as the daemon there reads it
+        background = Background(_daemon_url(state_dir), api_key)
         background.start()
         await asyncio.sleep(1.0)  # the stream is generating
         await replay(lsp, loaded, before, after, keys, args.key_ms, args.pause_ms,

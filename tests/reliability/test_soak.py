@@ -92,11 +92,21 @@ class Tally:
         return {kind: [round(statistics.median(t), 2), round(max(t), 2)] for kind, t in sorted(self.seconds.items())}
 
 
-async def chat_client(base: str, deadline: float, tally: Tally, stream: bool) -> None:
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=OP_TIMEOUT_S)
-    messages = [{"role": "user", "content": "write a function"}]
+async def repeat(deadline: float, tally: Tally, kind: str, call) -> None:
+    """One client's loop: `call` again and again until the time is up, each call tallied."""
     while time.monotonic() < deadline:
-        async with tally.op("chat stream" if stream else "chat"):
+        async with tally.op(kind):
+            await call()
+
+
+def openai_client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=OP_TIMEOUT_S)
+
+
+async def chat_client(base: str, deadline: float, tally: Tally, stream: bool) -> None:
+    messages = [{"role": "user", "content": "write a function"}]
+    async with openai_client(base) as client:
+        async def call() -> None:
             if stream:
                 chunks = await client.chat.completions.create(model="default", messages=messages, max_tokens=12,
                                                               stream=True)
@@ -104,13 +114,13 @@ async def chat_client(base: str, deadline: float, tally: Tally, stream: bool) ->
             else:
                 r = await client.chat.completions.create(model="default", messages=messages, max_tokens=12)
                 assert r.usage.completion_tokens > 0
-    await client.close()
+
+        await repeat(deadline, tally, "chat stream" if stream else "chat", call)
 
 
 async def dropped_stream_client(base: str, deadline: float, tally: Tally) -> None:
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=OP_TIMEOUT_S)
-    while time.monotonic() < deadline:
-        async with tally.op("completion dropped mid-stream"):
+    async with openai_client(base) as client:
+        async def call() -> None:
             stream = await client.completions.create(model="default", prompt="import os\n", max_tokens=200,
                                                      stream=True)
             seen = 0
@@ -119,26 +129,27 @@ async def dropped_stream_client(base: str, deadline: float, tally: Tally) -> Non
                 if seen == 2:
                     break
             await stream.close()  # the client leaves: the daemon must free the engine
-    await client.close()
+
+        await repeat(deadline, tally, "completion dropped mid-stream", call)
 
 
 async def anthropic_client(base: str, deadline: float, tally: Tally) -> None:
-    client = anthropic.AsyncAnthropic(base_url=base, api_key=KEY, max_retries=0, timeout=OP_TIMEOUT_S)
-    while time.monotonic() < deadline:
-        async with tally.op("anthropic"):
+    async with anthropic.AsyncAnthropic(base_url=base, api_key=KEY, max_retries=0, timeout=OP_TIMEOUT_S) as client:
+        async def call() -> None:
             r = await client.messages.create(model="default", max_tokens=12,
                                              messages=[{"role": "user", "content": "hello"}])
             assert r.usage.output_tokens > 0
-    await client.close()
+
+        await repeat(deadline, tally, "anthropic", call)
 
 
 async def embeddings_client(base: str, deadline: float, tally: Tally) -> None:
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=OP_TIMEOUT_S)
-    while time.monotonic() < deadline:
-        async with tally.op("embeddings"):
+    async with openai_client(base) as client:
+        async def call() -> None:
             r = await client.embeddings.create(model="default", input=["def f(): pass", "x = 1"])
             assert len(r.data) == 2
-    await client.close()
+
+        await repeat(deadline, tally, "embeddings", call)
 
 
 async def abandoning_client(base: str, deadline: float, tally: Tally) -> None:
