@@ -124,7 +124,6 @@ class Daemon:
                                    bank=open_bank(settings),  # <state_dir>/sessions, flushed on shutdown
                                    calibrations=CalibrationStore(settings.state_dir))
         self.workspaces = WorkspaceRegistry(self.scheduler, settings.watch_workspaces, ignore=(settings.state_dir,))
-        self.scheduler.on_workspace = self.workspaces.register
         self.runtime = Runtime(self.scheduler, settings, self.workspaces, warnings)  # all the adapters get
         self.server: uvicorn.Server | None = None
         self.port: int | None = None  # the port actually bound, once listening

@@ -3,14 +3,20 @@
     ticket = runtime.submit(TextRequest(prompt_ids=ids, max_tokens=64, sampler=SamplerSettings(0.6)))
     async for event in ticket: ...   # TextDelta ... then Done, or Failed
 
-mtplxd/jobs.py runs them on the engine; adapters import only this module's types.
+mtplxd/jobs.py runs them on the engine; mtplxd/scheduler.py queues them and answers
+with a `Ticket` (or raises `QueueFull` / `NotReady`). A workspace is named the same way
+everywhere: `workspace_key()` of a folder path or file:// URI, None for the default.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Literal
+from typing import Any, Callable, Literal
+from urllib.parse import unquote, urlparse
+
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from engine.prompts import Heal
 from engine.sampler_settings import SamplerSettings
@@ -130,3 +136,68 @@ class Failed:
 
 
 Event = TextDelta | Done | Embeddings | Warmed | Failed
+State = Literal["loading", "ready", "failed", "stopping", "stopped"]
+
+
+# -- submitting --------------------------------------------------------------------------
+
+
+class QueueFull(Exception):
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(Exception):
+    """The engine failed to load; no job can run."""
+
+
+class Ticket:
+    """The adapter's handle on one job: iterate its events, or cancel it."""
+
+    def __init__(self, job_id: int, receive: MemoryObjectReceiveStream, cancel: Callable[[], None]):
+        self.id = job_id
+        self._receive = receive
+        self._cancel = cancel
+
+    def __aiter__(self):
+        return self._receive.__aiter__()
+
+    async def next_event(self) -> Event:
+        return await self._receive.receive()
+
+    def cancel(self) -> None:
+        self._cancel()
+        self._receive.close()
+
+
+@dataclass
+class SchedulerStats:
+    state: State
+    active: int
+    queued_by_class: dict[str, int]
+    completed: int
+    cancelled: int
+    steps: int
+
+
+# -- workspaces --------------------------------------------------------------------------
+
+DEFAULT_WORKSPACE: str | None = None  # what requests that name no workspace share
+DEFAULT_WORKSPACE_NAME = "default"  # its name where a protocol needs a word (/v1/sessions)
+
+
+def workspace_key(value: Any) -> str:
+    """The one key of a named workspace: the normalized absolute folder path, from a
+    path or a file:// URI (HTTP headers, MCP arguments and roots, LSP folders).
+    ValueError for anything else."""
+    if isinstance(value, str) and value.startswith("file:"):
+        parsed = urlparse(value)
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"a workspace must be a local folder, got {value!r}")
+        value = unquote(parsed.path)
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise ValueError("a workspace must be an absolute folder path")
+    if not os.path.isabs(value):
+        raise ValueError(f"a workspace must be an absolute folder path, got {value!r}")
+    return os.path.normpath(value)

@@ -12,18 +12,20 @@ the scheduler, the engine or an MLX array: what it may know is what this class o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine.sampler_settings import SamplerSettings
-from mtplxd.requests import EmbedRequest, Event, TextRequest, WarmRequest
-from mtplxd.scheduler import Scheduler, SchedulerStats, Ticket
+from mtplxd.requests import EmbedRequest, Event, SchedulerStats, TextRequest, Ticket, WarmRequest
 
-if TYPE_CHECKING:  # annotations only: the adapters never import these modules
+if TYPE_CHECKING:  # annotations only: importing the adapters never loads MLX or the scheduler
     from engine.profiles import DecodePlan
     from engine.sessions.bank import SessionBank
+    from engine.sessions.stats import BankStats, WorkspaceStats
     from mtplxd.config import Settings
+    from mtplxd.scheduler import Scheduler
     from mtplxd.workspaces import WorkspaceRegistry
 
 # (the job's entry: its `.request`; the event) on the scheduler's worker thread
@@ -100,8 +102,12 @@ class Runtime:
     # -- work ----------------------------------------------------------------------------
 
     def submit(self, request: TextRequest | EmbedRequest | WarmRequest) -> Ticket:
-        """Queue a job (raises QueueFull or NotReady, mtplxd/scheduler.py)."""
-        return self._scheduler.submit(request)
+        """Queue a job (raises QueueFull or NotReady). A workspace a text request names is
+        registered, so the daemon watches its files (mtplxd/workspaces.py)."""
+        ticket = self._scheduler.submit(request)
+        if isinstance(request, TextRequest) and request.workspace and self._workspaces is not None:
+            self._workspaces.register(request.workspace)
+        return ticket
 
     def plan(self, request: TextRequest) -> DecodePlan:
         """The mode and depth `request` will decode with."""
@@ -165,8 +171,8 @@ class Runtime:
 
     def warnings(self) -> list[str]:
         """One line per condition the user should know of (a full disk, an unwritable log)."""
-        bank = self.bank
-        disk = getattr(bank, "disk_warning", None)
+        bank = self._scheduler.bank
+        disk = bank.disk_warning if bank is not None else None
         return [*self._warnings, *([disk] if disk else [])]
 
     def memory(self) -> dict[str, int]:
@@ -176,10 +182,35 @@ class Runtime:
 
     # -- the session bank and the workspaces ----------------------------------------------
 
-    @property
-    def bank(self) -> SessionBank | None:
-        return self._scheduler.bank
+    def sessions(self) -> Sessions | None:
+        """The session bank's figures and its one action; None when the daemon runs without."""
+        bank = self._scheduler.bank
+        return Sessions(bank) if bank is not None else None
 
     @property
     def workspaces(self) -> WorkspaceRegistry | None:
         return self._workspaces
+
+
+class Sessions:
+    """What the adapters see of the session bank (engine/sessions/bank.py): its figures,
+    and clearing a workspace. The default workspace is None here, as on requests."""
+
+    def __init__(self, bank: SessionBank):
+        self._bank = bank
+
+    @property
+    def enabled(self) -> bool:
+        """False until the model has loaded, or with a RAM budget of 0."""
+        return self._bank.enabled
+
+    def stats(self) -> BankStats:
+        return self._bank.stats()
+
+    def workspaces(self) -> list[WorkspaceStats]:
+        """Blocking (the bank's lock): call from a worker thread."""
+        return [dataclasses.replace(s, workspace=s.workspace or None) for s in self._bank.workspaces()]
+
+    def clear(self, workspace: str | None) -> int:
+        """Drop `workspace`'s entries in RAM and on disk; how many. Blocking, like `workspaces`."""
+        return self._bank.clear(workspace)

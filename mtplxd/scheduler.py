@@ -10,9 +10,7 @@ queued jobs; beyond the bound `submit` raises `QueueFull`.
 
 The session bank (optional) is bound to the model on the worker thread once it
 has loaded; text jobs look up and offer snapshots there, warm-up jobs
-(`WarmRequest`, background class) fill it. `on_workspace` is told (on the event
-loop) of every workspace a text request names, so the workspace registry can
-watch it.
+(`WarmRequest`, background class) fill it.
 """
 
 from __future__ import annotations
@@ -25,12 +23,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.checkpoint import CheckpointError, read_config
 from engine.profiles import (
@@ -38,7 +36,10 @@ from engine.profiles import (
 )
 from mtplxd.calibrate import CalibrateJob, CalibrateRequest
 from mtplxd.jobs import EmbedJob, TextJob, WarmJob
-from mtplxd.requests import EmbedRequest, Event, Failed, FailureKind, Priority, TextRequest, WarmRequest
+from mtplxd.requests import (
+    EmbedRequest, Event, Failed, FailureKind, NotReady, Priority, QueueFull, SchedulerStats, State, TextRequest, Ticket,
+    WarmRequest,
+)
 
 if TYPE_CHECKING:  # annotations only
     from engine.engine import Engine
@@ -47,19 +48,8 @@ if TYPE_CHECKING:  # annotations only
 # What the worker runs: the adapters' requests, and the daemon's own calibration.
 Request = TextRequest | EmbedRequest | WarmRequest | CalibrateRequest
 Job = TextJob | EmbedJob | WarmJob | CalibrateJob
-State = Literal["loading", "ready", "failed", "stopping", "stopped"]
 
 log = logging.getLogger("mtplxd.scheduler")
-
-
-class QueueFull(Exception):
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class NotReady(Exception):
-    """The engine failed to load; no job can run."""
 
 
 @dataclass(frozen=True)
@@ -69,35 +59,6 @@ class SchedulerLimits:
     max_queued: int = 64  # jobs waiting for a slot
     default_depth: int | None = None  # forces this depth; None: the profile's measured choice
     profile: str | None = None  # engine/profiles.py; None: chosen from the model
-
-
-@dataclass
-class SchedulerStats:
-    state: State
-    active: int
-    queued_by_class: dict[str, int]
-    completed: int
-    cancelled: int
-    steps: int
-
-
-class Ticket:
-    """The adapter's handle on one job: iterate its events, or cancel it."""
-
-    def __init__(self, job_id: int, receive: MemoryObjectReceiveStream, cancel: Callable[[], None]):
-        self.id = job_id
-        self._receive = receive
-        self._cancel = cancel
-
-    def __aiter__(self):
-        return self._receive.__aiter__()
-
-    async def next_event(self) -> Event:
-        return await self._receive.receive()
-
-    def cancel(self) -> None:
-        self._cancel()
-        self._receive.close()
 
 
 @dataclass(eq=False)
@@ -118,7 +79,6 @@ class Scheduler:
         self.calibrations = calibrations  # measured depth choices per model and machine
         self.planner: DecodePlanner | None = None  # set once the model has loaded
         self.bank = bank  # bound once the model has loaded
-        self.on_workspace: Callable[[str], None] | None = None  # the daemon's workspace registry
         self.engine: Engine | None = None
         self.state: State = "loading"
         self.load_error: str | None = None
@@ -149,12 +109,6 @@ class Scheduler:
             entry = _Entry(next(self._ids), request, send)
             self._queues[request.priority].append(entry)
             self._cond.notify()
-        workspace = getattr(request, "workspace", None)
-        if workspace and isinstance(request, TextRequest) and self.on_workspace is not None:
-            try:
-                self.on_workspace(workspace)
-            except Exception:  # watching is a convenience: never fail the request
-                log.exception("could not register workspace %s", workspace)
         return Ticket(entry.id, receive, lambda: self._cancel(entry))
 
     def stop(self) -> None:

@@ -26,7 +26,7 @@ import anyio.to_thread
 from watchfiles import Change, DefaultFilter, awatch
 
 from engine.prompts import completion_prompt_ids, fim_prompt_ids, fim_tokens
-from mtplxd.requests import Failed, WarmRequest, Warmed
+from mtplxd.requests import Failed, WarmRequest, Warmed, workspace_key
 
 log = logging.getLogger("mtplxd.workspaces")
 logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every batch of changes at INFO
@@ -39,15 +39,6 @@ SOURCE_SUFFIXES = frozenset(
 MAX_FILE_BYTES = 512 * 1024  # larger files are not warmed
 MIN_WARM_TOKENS = 16
 WATCH_TIMEOUT_MS = 2000  # the watcher wakes this often to see whether its folder still exists
-
-
-def normalize_workspace(path: Any) -> str:
-    """The canonical form of a workspace id; ValueError unless an absolute path."""
-    if not isinstance(path, str) or not path.strip() or "\0" in path:
-        raise ValueError("a workspace must be an absolute folder path")
-    if not os.path.isabs(path):
-        raise ValueError(f"a workspace must be an absolute folder path, got {path!r}")
-    return os.path.normpath(path)
 
 
 def warmup_prompt_ids(tokenizer: Any, text: str) -> list[int]:
@@ -117,12 +108,9 @@ class WorkspaceRegistry:
 
     # -- event-loop side ---------------------------------------------------------------
 
-    def register(self, workspace: str) -> None:
-        """Note a workspace a request named; watch it if it is a folder (non-blocking)."""
-        try:
-            ws = normalize_workspace(workspace)
-        except ValueError:
-            return
+    def register(self, ws: str) -> None:
+        """Note a workspace a request named (a workspace_key); watch it if it is a folder
+        (non-blocking)."""
         self.known[ws] = None
         self.known.move_to_end(ws)
         while len(self.known) > 4096:  # names only; bounded all the same
@@ -140,7 +128,7 @@ class WorkspaceRegistry:
     def open_in_editor(self, folder: str) -> None:
         """Note a folder an editor opened over LSP (its root or a workspace folder)."""
         try:
-            ws = normalize_workspace(folder)
+            ws = workspace_key(folder)
         except ValueError:
             return
         self._editor_folders[ws] = None

@@ -21,6 +21,8 @@ from engine.sessions.files import read_snapshot, snapshot_metadata, write_snapsh
 from engine.sessions.arrays import describe
 from engine.sessions.state import LayerState, Restore
 from mtplxd.requests import Done, Priority, TextRequest, WarmRequest, Warmed
+from mtplxd.config import Settings
+from mtplxd.runtime import Runtime
 from mtplxd.scheduler import Scheduler
 from tests.checkpoints import write
 from tests.engine_helpers import assert_caches_close, feed_one_by_one, load_family, reference_head_caches, run
@@ -439,11 +441,12 @@ async def test_scheduler_reports_cached_tokens_and_warms_up(tmp_path, engines, k
     bank = SessionBank(None, 64 * MiB)
     scheduler = Scheduler(lambda: engine, bank=bank)
     seen = []
-    scheduler.on_workspace = seen.append
+    registry = type("Registry", (), {"register": staticmethod(seen.append)})()  # what the daemon's watcher is told
+    runtime = Runtime(scheduler, Settings(state_dir=tmp_path), registry)
     prompt = tuple(tokens(97, 150))
 
     async def done(request) -> list:
-        return [e async for e in scheduler.submit(request)]
+        return [e async for e in runtime.submit(request)]
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(scheduler.run)

@@ -69,7 +69,7 @@ from adapters.http.sessions import session_routes, with_workspace
 from mtplxd.config import Settings
 from mtplxd.requests import Done, Embeddings, TextDelta
 from mtplxd.runtime import ModelInfo, Runtime
-from mtplxd.scheduler import NotReady, QueueFull, Ticket
+from mtplxd.requests import NotReady, QueueFull, Ticket
 
 PRIORITY_HEADER = "x-mtplx-priority"
 MCP_PATH = "/mcp"  # adapters/mcp/server.py serves it in this app

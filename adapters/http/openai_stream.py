@@ -22,7 +22,7 @@ from starlette.responses import Response
 from adapters.http.metrics import Metrics
 from adapters.common.errors import ApiError
 from mtplxd.requests import Done, Embeddings, Failed, TextDelta
-from mtplxd.scheduler import Ticket
+from mtplxd.requests import Ticket
 
 
 class Run:

@@ -25,10 +25,9 @@ from starlette.routing import Route
 from adapters.common.errors import ApiError, bad
 from adapters.http.openai_schema import TextParams
 from mtplxd.runtime import Runtime
-from mtplxd.workspaces import normalize_workspace
+from mtplxd.requests import DEFAULT_WORKSPACE, DEFAULT_WORKSPACE_NAME, workspace_key
 
 WORKSPACE_HEADER = "x-mtplx-workspace"
-DEFAULT_NAME = "default"
 
 
 def with_workspace(params: TextParams, request: Request, body: dict) -> TextParams:
@@ -42,7 +41,7 @@ def with_workspace(params: TextParams, request: Request, body: dict) -> TextPara
     if raw is None:
         return params
     try:
-        workspace = normalize_workspace(raw)
+        workspace = workspace_key(raw)
     except ValueError as e:
         raise bad(f"{e} ({'the X-Mtplx-Workspace header' if param is None else param})", param) from None
     return dataclasses.replace(params, request=dataclasses.replace(params.request, workspace=workspace))
@@ -58,14 +57,14 @@ class _Sessions:
         self.runtime = runtime
 
     async def list(self, request: Request) -> JSONResponse:
-        bank = self.runtime.bank
+        bank = self.runtime.sessions()
         registry = self.runtime.workspaces
         watched = set(registry.watched()) if registry is not None else set()
         data = []
         if bank is not None:
             for s in await anyio.to_thread.run_sync(bank.workspaces):
                 data.append({
-                    "object": "session.workspace", "workspace": s.workspace or None, "entries": s.entries,
+                    "object": "session.workspace", "workspace": s.workspace, "entries": s.entries,
                     "ram_entries": s.ram_entries, "disk_entries": s.disk_entries, "ram_bytes": s.ram_bytes,
                     "disk_bytes": s.disk_bytes, "bytes": s.ram_bytes + s.disk_bytes, "hits": s.hits,
                     "hits_ram": s.hits_ram, "hits_disk": s.hits_disk, "misses": s.misses,
@@ -91,19 +90,19 @@ class _Sessions:
         raw = request.query_params.get("workspace")
         if raw is None:
             raise bad("name the workspace to clear: DELETE /v1/sessions?workspace=/abs/folder "
-                      f"(or {DEFAULT_NAME!r} for requests without one)", "workspace")
-        if raw == DEFAULT_NAME:
-            workspace = ""
+                      f"(or {DEFAULT_WORKSPACE_NAME!r} for requests without one)", "workspace")
+        if raw == DEFAULT_WORKSPACE_NAME:
+            workspace = DEFAULT_WORKSPACE
         else:
             try:
-                workspace = normalize_workspace(raw)
+                workspace = workspace_key(raw)
             except ValueError as e:
                 raise bad(str(e), "workspace") from None
-        bank = self.runtime.bank
+        bank = self.runtime.sessions()
         if bank is None:
             raise ApiError(404, "the session bank is off", code="sessions_disabled")
         deleted = await anyio.to_thread.run_sync(bank.clear, workspace)
-        return JSONResponse({"object": "session.deleted", "workspace": workspace or None, "deleted": deleted})
+        return JSONResponse({"object": "session.deleted", "workspace": workspace, "deleted": deleted})
 
 
 class SessionCollector:
@@ -116,7 +115,7 @@ class SessionCollector:
         return []  # no fixed description: the registry calls collect() on scrape only
 
     def collect(self):
-        bank = self.runtime.bank
+        bank = self.runtime.sessions()
         if bank is None:
             return
         st = bank.stats()

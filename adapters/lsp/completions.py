@@ -20,7 +20,7 @@ from adapters.lsp.documents import Options, PromptBuilder
 from adapters.lsp.postprocess import Cursor, trim
 from mtplxd.requests import Done, Failed, TextDelta, TextRequest
 from mtplxd.runtime import ModelInfo, Runtime
-from mtplxd.scheduler import NotReady, QueueFull
+from mtplxd.requests import NotReady, QueueFull
 
 REQUEST_FAILED = -32803  # LSP 3.17 RequestFailed: a well-formed request the server could not serve
 

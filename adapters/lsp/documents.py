@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Iterable
-from urllib.parse import unquote, urlparse
 
 from adapters.lsp.postprocess import Cursor, detect_indent_unit
 from engine.prompts import Heal, fim_tokens, heal_last_token, leading_special
+from mtplxd.requests import workspace_key
 
 PREFIX_SHARE = 0.7
 START_LINE_STEP = 16  # a cut prefix starts on a multiple of up to this many lines (a quarter of what fits)
@@ -152,10 +152,13 @@ def _column(content: str, character: int, codec: Any) -> int:
 
 
 def uri_path(uri: str) -> str | None:
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
+    """The local path a file:// URI names (workspace_key's form); None for other schemes."""
+    if not uri.startswith("file:"):
         return None
-    return os.path.normpath(unquote(parsed.path))
+    try:
+        return workspace_key(uri)
+    except ValueError:
+        return None
 
 
 def workspace_of(uri: str, folders: Iterable[str], root_uri: str | None = None) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any
 from adapters.mcp.schema import QueueFigures, StatusResult, WorkspaceFigures
 from engine.prompts import fim_tokens, has_chat_template
 from mtplxd.requests import Done, Warmed
-from mtplxd.runtime import ModelInfo, Runtime
+from mtplxd.runtime import ModelInfo, Runtime, Sessions
 
 
 @dataclass
@@ -124,9 +124,9 @@ class Figures:
 
     # -- the daemon --------------------------------------------------------------------------
 
-    def bank(self) -> Any:
-        """The daemon's session bank (engine/sessions/bank.py) when it is on, else None."""
-        bank = self.runtime.bank
+    def bank(self) -> Sessions | None:
+        """The daemon's session bank when it is on, else None."""
+        bank = self.runtime.sessions()
         return bank if bank is not None and bank.enabled else None
 
     def _watched(self) -> list[str] | None:

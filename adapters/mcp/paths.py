@@ -28,7 +28,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, overload
-from urllib.parse import unquote, urlparse
 
 from mcp.server.mcpserver import Context, ListRoots, Resolve
 from mcp.server.mcpserver.exceptions import ToolError
@@ -37,7 +36,7 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from mtplxd.config import Settings
 from mtplxd.runtime import Runtime
-from mtplxd.workspaces import normalize_workspace
+from mtplxd.requests import workspace_key
 
 log = logging.getLogger("mtplxd.mcp")
 
@@ -106,7 +105,7 @@ class WorkspaceGuard:
         if not workspace or not _declares_roots(ctx):
             return False
         try:
-            real = os.path.realpath(normalize_workspace(workspace))
+            real = os.path.realpath(workspace_key(workspace))
         except ValueError:
             return False  # the tool refuses it, without asking
         if self._daemon_allows(real):
@@ -177,11 +176,12 @@ def _session(ctx: Context) -> str | None:
 
 def _root_folder(uri: str) -> str | None:
     """The folder of a file:// root (other schemes name no folder here)."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
+    if not uri.startswith("file:"):
         return None
-    path = unquote(parsed.path)
-    return os.path.normpath(path) if os.path.isabs(path) and "\x00" not in path else None
+    try:
+        return workspace_key(uri)
+    except ValueError:
+        return None
 
 
 def _configured_folders(values: Iterable[str]) -> tuple[str, ...]:
@@ -223,7 +223,7 @@ def resolve_workspace(value: str | None, required: bool) -> str | None:
             raise ToolError("`workspace` is required: the absolute path of the project folder")
         return None
     try:
-        workspace = normalize_workspace(value)
+        workspace = workspace_key(value)
     except ValueError as e:
         raise ToolError(f"`workspace`: {e}") from None
     if not os.path.isdir(workspace):

@@ -13,7 +13,7 @@ from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.server.mcpserver.resources import ResourceSecurity
 
 from adapters.mcp.figures import Figures
-from mtplxd.workspaces import normalize_workspace
+from mtplxd.requests import workspace_key
 
 
 def register_resources(server: MCPServer, figures: Figures) -> None:
@@ -35,7 +35,7 @@ def register_resources(server: MCPServer, figures: Figures) -> None:
                      security=ResourceSecurity(exempt_params={"workspace"}))  # an absolute path by design
     def sessions_resource(workspace: str) -> str:
         try:
-            workspace = normalize_workspace(workspace)
+            workspace = workspace_key(workspace)
         except ValueError as e:
             raise ResourceError(f"{e} (percent-encoded in the URI)") from None
         return json.dumps(figures.workspace_figures(workspace), indent=2)

@@ -76,7 +76,7 @@ from adapters.mcp.tools import register_tools
 from mtplxd.config import Settings
 from mtplxd.runtime import ModelInfo, Runtime
 from mtplxd.requests import Done, Failed, MTPStats, TextDelta, TextRequest, WarmRequest
-from mtplxd.scheduler import NotReady, QueueFull
+from mtplxd.requests import NotReady, QueueFull
 
 MCP_PATH = "/mcp"
 SERVER_NAME = "mtplxd"

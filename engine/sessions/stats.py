@@ -10,7 +10,7 @@ from engine.sessions.index import PrefixIndex
 
 @dataclass
 class WorkspaceStats:
-    workspace: str
+    workspace: str | None  # None: the default workspace (the bank keys it "")
     entries: int = 0
     ram_entries: int = 0
     disk_entries: int = 0
