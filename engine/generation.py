@@ -28,7 +28,7 @@ so a restored generation samples with the same keys as a cold one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import mlx.core as mx
@@ -120,6 +120,7 @@ class Generation:
         self._extra_fed: list[int] = []  # fed to the trunk but cut from `tokens` by a stop or the budget
         self._sampled = False  # the first token has been sampled
         self._checks: list[mx.array] = []  # top-p shortcuts taken since the last sync (sampling.py)
+        self._batch_key: mx.array | None = None  # the key of a batched step's draw
         if restore is not None:
             self._restore(restore.snapshot, restore.length)
 
@@ -196,11 +197,41 @@ class Generation:
     # -- plain autoregressive decoding -----------------------------------------
 
     def _ar_step(self) -> StepResult:
+        """One token; a batch of rows runs the same two halves (engine/batch.py)."""
         logits, hidden = self.backend.forward(mx.array([[self.tokens[-1]]]), self.cache)
+        return self.commit_batched(self.draw_batched(logits[:, -1]), logits[:, -1], hidden)
+
+    # -- one row of a batch (engine/batch.py) -----------------------------------------
+
+    @property
+    def decoding(self) -> bool:
+        """Between two decode steps: every committed token but the last is in the caches."""
+        return (self._sampled and not self.finished and self._first_logits is None
+                and self._fed == len(self.tokens) - 1)
+
+    def to_ar(self) -> None:
+        """Decode plainly from now on: drop the MTP heads. The trunk's caches are the
+        same in both modes between two steps, so the output stays exactly the model's."""
+        if self.request.mode == "mtp":
+            self.request = replace(self.request, mode="ar")
+            self.head_caches, self._heads = [], []
+
+    def draw_batched(self, logits: mx.array) -> mx.array:
+        """This row's next token from its logits [1, V], not yet evaluated: the batch
+        evaluates every row's draw at once, then calls `commit_batched`."""
+        self._batch_key = self._next_key()
+        token, _ = self._draw(logits, self._batch_key, exact=False)
+        return token
+
+    def commit_batched(self, token: mx.array, logits: mx.array, hidden: mx.array | None) -> StepResult:
+        """The end of a batched AR step for this row; the same as `_ar_step`'s, the same
+        key drawn with, the draw redone exactly where the top-p shortcut did not hold."""
+        if not self._covered(token):
+            token, _ = self._draw(logits, self._batch_key, exact=True)
         self._fed += 1
         self._log_hidden(hidden)
-        result = self._commit([self._draw_token(logits[:, -1])])
-        self._log_logits(logits[:, -1])
+        result = self._commit([int(token.item())])
+        self._log_logits(logits)
         return result
 
     # -- speculative cycle -----------------------------------------------------

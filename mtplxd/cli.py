@@ -204,6 +204,8 @@ def _duration(seconds: float | None) -> str:
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve", action="store_true",
                    help="time interactive completions alone and behind 4 normal streams, over HTTP")
+    p.add_argument("--streams", metavar="N,N",
+                   help="aggregate tok/s and latencies at N concurrent streams, batching on and off (e.g. 1,4,8)")
     p.add_argument("--sessions", action="store_true",
                    help="time to first token of a ~2,000-token prompt: cold, warm from RAM, warm from disk "
                         "after a restart, and an 8-turn chat (the session bank)")
@@ -237,6 +239,11 @@ def _bench(args: argparse.Namespace) -> int:
         from mtplxd.bench import sessions as bench_sessions
 
         return bench_sessions.run(args.model, as_json)
+    if args.streams:
+        from mtplxd.bench import streams as bench_streams
+
+        counts = [int(n) for n in args.streams.split(",") if n.strip()]
+        return bench_streams.run(args.model, counts, args.rounds, args.max_tokens, as_json)
     if args.serve:
         from mtplxd.bench import serve as bench_serve
 

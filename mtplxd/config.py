@@ -83,6 +83,12 @@ class Settings:
     max_active: int = 8
     max_queued: int = 64
     interactive_reserve: int = 2
+    # Continuous batching (engine/batch.py): at most this many decoding generations share one
+    # forward pass; 1: every generation steps alone.
+    batch_rows: int = 16
+    # Admission also stops at this many bytes of KV cache held by open generations
+    # (None: a quarter of physical memory); beyond it, requests queue.
+    max_cache_bytes: int | None = None
     log_level: str = "info"
     # Largest HTTP request body, bytes (413 beyond): a 1M-token prompt is ~4 MiB of JSON.
     max_body_bytes: int = 16 * 2**20
@@ -112,6 +118,9 @@ class Settings:
                f"profile: must be one of {', '.join(PROFILE_NAMES)}, got {self.profile!r}")
         _check(self.max_active >= 1, f"max_active: must be at least 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued: must not be negative, got {self.max_queued}")
+        _check(self.batch_rows >= 1, f"batch_rows: must be at least 1, got {self.batch_rows}")
+        _check(self.max_cache_bytes is None or self.max_cache_bytes > 0,
+               f"max_cache_bytes: must be positive, got {self.max_cache_bytes}")
         _check(self.max_body_bytes >= MIN_BODY_BYTES,
                f"max_body_bytes: must be at least {MIN_BODY_BYTES}, got {self.max_body_bytes}")
         _check(
@@ -170,6 +179,8 @@ _KINDS = {
     "max_active": "int",
     "max_queued": "int",
     "interactive_reserve": "int",
+    "batch_rows": "int",
+    "max_cache_bytes": "int?",
     "log_level": "str",
     "max_body_bytes": "int",
     "allowed_hosts": "list",

@@ -42,7 +42,7 @@ from mtplxd.calibrate import Calibrated, CalibrateRequest, calibration_prompt
 from mtplxd.requests import Failed
 from mtplxd.runtime import Runtime
 from mtplxd.scheduler import NotReady, Scheduler, SchedulerLimits
-from mtplxd.workspaces import WorkspaceRegistry, open_bank
+from mtplxd.workspaces import WorkspaceRegistry, open_bank, physical_memory
 
 if TYPE_CHECKING:  # annotations only: the engine loads on the worker thread (load_model)
     from engine.engine import Engine
@@ -119,6 +119,8 @@ class Daemon:
             max_queued=settings.max_queued,
             default_depth=settings.depth,
             profile=settings.profile,
+            batch_rows=settings.batch_rows,
+            max_cache_bytes=settings.max_cache_bytes or physical_memory() // 4,
         )
         self.scheduler = Scheduler(load_engine or partial(load_model, settings.model_path), limits,
                                    bank=open_bank(settings),  # <state_dir>/sessions, flushed on shutdown

@@ -23,7 +23,7 @@ from enum import IntEnum
 from typing import Literal
 
 from engine.engine import Engine
-from engine.generation import Generation, GenerationRequest
+from engine.generation import Generation, GenerationRequest, StepResult
 from engine.profiles import DecodePlan
 from engine.sessions.bank import SessionBank
 from engine.sessions.state import SnapshotMismatch
@@ -176,14 +176,23 @@ class TextJob:
         self.finished = False
 
     def step(self) -> list[Event]:
-        if self._prompt_snapshot_due and self.generation.started:
-            self._prompt_snapshot_due = False  # end of prompt, after the first token went out
-            offer_snapshot(self.bank, self.request.workspace, self.generation, MIN_NEW_TOKENS)
+        self.offer_prompt_snapshot()
         try:
             result = self.generation.step()
         except BaseException:
             self._broken = True
             raise
+        return self.events(result)
+
+    def offer_prompt_snapshot(self) -> None:
+        """Once the prompt is in the caches and the first token went out: before the
+        next step, or before the generation joins a batch (engine/batch.py)."""
+        if self._prompt_snapshot_due and self.generation.started:
+            self._prompt_snapshot_due = False
+            offer_snapshot(self.bank, self.request.workspace, self.generation, MIN_NEW_TOKENS)
+
+    def events(self, result: StepResult, batch: int = 1) -> list[Event]:
+        """The events of one engine step of this generation, alone or in a batch of `batch` rows."""
         self.mtp.add(result.accepted)
         if result.tokens and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
@@ -198,7 +207,7 @@ class TextJob:
             text += self.stops.flush()
         events: list[Event] = []
         if text or result.tokens:
-            events.append(TextDelta(text, tuple(result.tokens), result.drafted, tuple(result.accepted)))
+            events.append(TextDelta(text, tuple(result.tokens), result.drafted, tuple(result.accepted), batch))
         if hit_stop:
             events.append(self._done("stop"))
         elif finish:
@@ -226,6 +235,10 @@ class TextJob:
             decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
             stop_sequence=self.stops.hit if reason == "stop" else None,
         )
+
+    def broken(self) -> None:
+        """A step raised (alone or in a batch): the caches may be half-updated."""
+        self._broken = True
 
     def close(self) -> None:
         if not self._broken:  # end of generation, or cancelled between two steps

@@ -70,6 +70,7 @@ class TextDelta:
     token_ids: tuple[int, ...]
     drafted: int = 0
     accepted: tuple[bool, ...] = ()
+    batch: int = 1  # rows in the engine step that made it (mtplxd/scheduler.py's batch)
 
 
 @dataclass

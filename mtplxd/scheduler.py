@@ -5,8 +5,20 @@ hand events back to the event loop); the event loop never waits on MLX.
 Between two engine steps the worker picks the next job: the highest
 priority class first, round-robin inside a class, so a long generation
 cannot starve a short one. A cancelled job (client gone, superseded) is
-closed before the next step. Admission control bounds open generations and
-queued jobs; beyond the bound `submit` raises `QueueFull`.
+closed before the next step. Admission control bounds open generations, the
+bytes of cache they hold, and queued jobs; beyond the queue's bound `submit`
+raises `QueueFull`.
+
+Continuous batching (engine/batch.py). Once two or more text generations are
+decoding, they decode together: each pass of the worker runs one batched step
+for all of them (one token a row) and then one step of the next job outside the
+batch (a prefill chunk, a lone MTP cycle, an embedding), picked as above. So a
+new request's prefill runs in chunks between the batch's steps, a generation
+joins the batch as soon as its first token is out (at the next step boundary),
+and a finished or cancelled one leaves at once. A generation that is alone
+decodes alone, with MTP. Interactive jobs (editor completions) stay out of the
+batch and keep their strict priority: while one has work, the batch waits, so a
+keystroke's completion waits for at most the batched step already running.
 
 The session bank (optional) is bound to the model on the worker thread once it
 has loaded; text jobs look up and offer snapshots there, warm-up jobs
@@ -30,7 +42,9 @@ import anyio.from_thread
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectSendStream
 
+from engine.batch import DecodeBatch, batchable
 from engine.checkpoint import CheckpointError, read_config
+from engine.generation import Generation
 from engine.profiles import (
     Calibration, CalibrationStore, DecodePlan, DecodePlanner, auto_profile, get_profile,
 )
@@ -59,6 +73,8 @@ class SchedulerLimits:
     max_queued: int = 64  # jobs waiting for a slot
     default_depth: int | None = None  # forces this depth; None: the profile's measured choice
     profile: str | None = None  # engine/profiles.py; None: chosen from the model
+    batch_rows: int = 16  # decoding generations that share a forward pass (1: none do)
+    max_cache_bytes: int | None = None  # KV held by open generations before new ones wait
 
 
 @dataclass(eq=False)
@@ -87,6 +103,8 @@ class Scheduler:
         self._stopping = False
         self._ids = itertools.count(1)
         self.completed = self.cancelled = self.steps = 0
+        self.batch: DecodeBatch | None = None  # set once the model has loaded, when batching is on
+        self._batched: list[_Entry] = []  # the batch's rows' entries, in its row order
         self.on_event: Callable[[_Entry, Event], None] | None = None  # mtplxd/runtime.py's listeners
 
     # -- event-loop side ---------------------------------------------------------
@@ -148,8 +166,9 @@ class Scheduler:
             self.state = "failed"
             self._fail_all(f"model failed to load: {self.load_error}", "internal")
             return
-        while (entry := self._next_entry()) is not None:
-            self._advance(entry)
+        if self.limits.batch_rows > 1 and hasattr(self.engine, "backend"):
+            self.batch = DecodeBatch(self.engine.backend)
+        self._serve()
         self.state = "stopped"
         self._fail_all("the daemon is shutting down", "shutdown")
 
@@ -193,28 +212,37 @@ class Scheduler:
         except Exception as e:  # a model without the usual engine surface, a broken disk: run without
             log.warning("session bank off: %s: %s", type(e).__name__, e)
 
-    def _next_entry(self) -> _Entry | None:
-        """Block until there is a job to step; None once stopping."""
+    def _serve(self) -> None:
+        """Until stopping: the batch's step, then one step of the next job outside it."""
         while True:
             with self._cond:
                 closing = self._drop_cancelled()
+                entry = None
                 if not closing:
                     if self._stopping:
-                        return None
+                        return
                     entry = self._pick()
-                    if entry is not None:
-                        return entry
-                    self._cond.wait()
-                    continue
+                    if entry is None and not self._batched:
+                        self._cond.wait()
+                        continue
             for job in closing:  # outside the lock: closing offers a snapshot to the bank
-                job.close()
+                self._close(job)
+            # Interactive work never waits behind the batch (normal and background rows).
+            if self._batched and (entry is None or entry.request.priority != Priority.INTERACTIVE):
+                self._step_batch()
+            if entry is not None:
+                self._advance(entry)
+                self._batch_decoding()
 
     def _pick(self) -> _Entry | None:
-        """Class order, round-robin inside a class; a new job needs a free slot."""
+        """Class order, round-robin inside a class, the batch's rows aside; a new job
+        needs a free slot."""
         for priority, queue in self._queues.items():
             for _ in range(len(queue)):
                 entry = queue.popleft()
                 queue.append(entry)  # rotate: the next pick in this class starts after it
+                if entry in self._batched:
+                    continue
                 if entry.job is not None or self._has_slot(priority):
                     return entry
         return None
@@ -223,7 +251,73 @@ class Scheduler:
         limit = self.limits.max_active
         if priority == Priority.INTERACTIVE:
             limit += self.limits.interactive_reserve
-        return self._active_count() < limit
+        if self._active_count() >= limit:
+            return False
+        budget = self.limits.max_cache_bytes
+        return budget is None or self._active_count() == 0 or self._cache_bytes() < budget
+
+    def _cache_bytes(self) -> int:
+        """KV and recurrent state held by open generations (the batch's padding included)."""
+        held = self.batch.nbytes if self.batch is not None else 0
+        for queue in self._queues.values():
+            for entry in queue:
+                generation = getattr(entry.job, "generation", None)
+                if isinstance(generation, Generation) and entry not in self._batched:
+                    held += sum(getattr(c, "nbytes", 0) for c in generation.cache)
+        return held
+
+    # -- the batch ---------------------------------------------------------------
+
+    def _batch_decoding(self) -> None:
+        """Move decoding text generations into the batch once two or more decode; a
+        lone row leaves it (alone, a generation decodes faster outside)."""
+        if self.batch is None:
+            return
+        with self._cond:
+            ready = [e for q in self._queues.values() for e in q if e not in self._batched and not e.cancelled
+                     and e.request.priority != Priority.INTERACTIVE and _decoding(e)]
+        room = self.limits.batch_rows - len(self._batched)
+        if len(self._batched) + len(ready) >= 2:
+            for entry in ready[: max(0, room)]:
+                _text_job(entry).offer_prompt_snapshot()  # while it still holds its own caches
+                self.batch.join(_text_job(entry).generation)
+                self._batched.append(entry)
+        elif len(self._batched) == 1 and not ready:
+            self._unbatch(self._batched[0])
+
+    def _unbatch(self, entry: _Entry) -> None:
+        if entry in self._batched and self.batch is not None:
+            self.batch.leave(_text_job(entry).generation)
+            self._batched.remove(entry)
+
+    def _step_batch(self) -> None:
+        """One token for every row of the batch; rows that end leave it at once."""
+        entries = list(self._batched)
+        assert self.batch is not None  # rows join only a batch that exists
+        try:
+            results = self.batch.step()
+        except Exception as e:  # the batch's caches may be half-updated: end every row
+            log.exception("batched step failed")
+            for entry in entries:
+                _text_job(entry).broken()
+                self._unbatch(entry)
+                self._deliver(entry, Failed(f"{type(e).__name__}: {e}", "internal"))
+                self._finish(entry)
+            return
+        self.steps += 1
+        for entry, result in zip(entries, results):
+            job = _text_job(entry)
+            for event in job.events(result, batch=len(entries)):
+                self._deliver(entry, event)
+            if job.finished:
+                self._unbatch(entry)
+                self._finish(entry)
+
+    def _close(self, job: Job) -> None:
+        """Close a cancelled job (out of the batch first: it closes with its own caches)."""
+        for entry in [e for e in self._batched if e.job is job]:
+            self._unbatch(entry)
+        job.close()
 
     def _active_count(self) -> int:
         return sum(e.job is not None for q in self._queues.values() for e in q)
@@ -304,9 +398,22 @@ class Scheduler:
                 queue.clear()
         for entry in entries:
             if entry.job is not None:
-                entry.job.close()
+                self._close(entry.job)
             self._deliver(entry, Failed(message, kind))
             self._close_stream(entry)
+
+
+def _text_job(entry: _Entry) -> TextJob:
+    """The text job of a batched entry (only text jobs join the batch)."""
+    assert isinstance(entry.job, TextJob)
+    return entry.job
+
+
+def _decoding(entry: _Entry) -> bool:
+    """A text job between two decode steps, with caches a batch can hold."""
+    generation = getattr(entry.job, "generation", None)
+    return (isinstance(entry.job, TextJob) and not entry.job.finished and isinstance(generation, Generation)
+            and batchable(generation))
 
 
 def _config_of(engine: Any) -> dict:

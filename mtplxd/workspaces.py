@@ -258,13 +258,17 @@ async def _set_when_cancelled(event: anyio.Event) -> None:
 # -- the session bank of a daemon ------------------------------------------------------
 
 
-def default_ram_bytes() -> int:
-    """An eighth of physical memory, at most 32 GiB (1 GiB when it cannot be read)."""
+def physical_memory() -> int:
+    """Bytes of physical memory (8 GiB when it cannot be read)."""
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        return 1 << 30
-    return int(min(total // 8, 32 << 30))
+        return 8 << 30
+
+
+def default_ram_bytes() -> int:
+    """An eighth of physical memory, at most 32 GiB."""
+    return min(physical_memory() // 8, 32 << 30)
 
 
 def default_disk_bytes(folder: Path) -> int:

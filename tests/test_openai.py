@@ -260,7 +260,7 @@ def test_api_key_is_required_except_for_health(daemon):
 # -- load, cancellation, metrics ------------------------------------------------------------
 
 
-def test_sixteen_concurrent_streams(client):
+def test_sixteen_concurrent_streams(client, http):
     prompts = [f"item {i}:" for i in range(16)]
 
     def stream(prompt):
@@ -274,6 +274,9 @@ def test_sixteen_concurrent_streams(client):
         assert tokens == 16
         alone = client.completions.create(model="mimo", prompt=prompt, max_tokens=16, **GREEDY)
         assert text == alone.choices[0].text
+    samples = metrics(http)  # they decoded in batched steps (engine/batch.py)
+    alone_steps = _value(samples, "mtplxd_batch_rows_bucket", le="1.0")
+    assert _value(samples, "mtplxd_batch_rows_count") - alone_steps >= 16 * 8
 
 
 LONG_CHAT = {"model": "mimo", "messages": HI, "max_tokens": 3000, **GREEDY}
@@ -309,7 +312,7 @@ def test_metrics_is_prometheus_text(http):
     for name in ("mtplxd_requests", "mtplxd_queue_depth", "mtplxd_active_generations",
                  "mtplxd_time_to_first_token_seconds", "mtplxd_decode_tokens_per_second",
                  "mtplxd_mtp_drafted_tokens", "mtplxd_mtp_accepted_tokens", "mtplxd_mtp_acceptance_ratio",
-                 "mtplxd_cancelled_requests", "mtplxd_model_state"):
+                 "mtplxd_cancelled_requests", "mtplxd_model_state", "mtplxd_batch_rows", "mtplxd_step_tokens"):
         assert name in samples, name
     assert _value(samples, "mtplxd_requests_total", endpoint=CHAT, status="200") >= 1
     assert _value(samples, "mtplxd_requests_total", endpoint=CHAT, status="400") >= 1

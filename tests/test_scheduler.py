@@ -218,3 +218,97 @@ async def test_a_continuation_keeps_its_leading_space(embedded):
     assert tok.decode(tokens).startswith(" ") and text == tok.decode(tokens)
     reply, _ = await run_alone(embedded, request)
     assert reply == text[1:]  # a new turn: the detokenizer's trim stays
+
+
+# -- continuous batching (engine/batch.py) ------------------------------------------------------------
+
+
+def _mixed_requests() -> list[TextRequest]:
+    """Different prompts, lengths, samplers, seeds and modes; sampled rows decode AR so
+    their key sequence is the same alone and in the batch."""
+    hot, greedy = SamplerSettings(temperature=0.8, top_p=0.9), SamplerSettings(temperature=0.0)
+    return [
+        TextRequest(prompt_ids=(10, 11, 12, 13), max_tokens=24, sampler=greedy, mode="mtp", depth=1, ignore_eos=True),
+        TextRequest(prompt_ids=(5, 6), max_tokens=17, sampler=hot, seed=3, mode="ar", ignore_eos=True),
+        TextRequest(prompt_ids=tuple(range(3, 40)), max_tokens=9, sampler=greedy, mode="ar", ignore_eos=True),
+        TextRequest(prompt_ids=(20, 21, 22), max_tokens=30, sampler=hot, seed=8, mode="ar", ignore_eos=True,
+                    priority=Priority.INTERACTIVE),
+        TextRequest(prompt_ids=(7, 7, 8), max_tokens=12, sampler=SamplerSettings(temperature=1.0, top_k=5), seed=1,
+                    mode="ar", ignore_eos=True),
+    ]
+
+
+async def _tokens_of(scheduler: Scheduler, requests: list[TextRequest]) -> tuple[list[list[int]], list[int]]:
+    """Every request's tokens, run concurrently, and the batch sizes their deltas came from."""
+    results: list[list[int]] = [[] for _ in requests]
+    sizes: list[int] = []
+
+    async def one(i: int) -> None:
+        async for event in scheduler.submit(requests[i]):
+            if isinstance(event, TextDelta):
+                results[i].extend(event.token_ids)
+                sizes.append(event.batch)
+            assert not isinstance(event, Failed), event
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        async with anyio.create_task_group() as clients:
+            for i in range(len(requests)):
+                clients.start_soon(one, i)
+        scheduler.stop()
+    return results, sizes
+
+
+async def test_concurrent_generations_decode_in_one_batch_as_alone(engine_):
+    from tests.engine_helpers import assert_greedy_agree
+
+    requests = _mixed_requests()
+    batched, sizes = await _tokens_of(Scheduler(lambda: engine_), requests)
+    alone, alone_sizes = await _tokens_of(Scheduler(lambda: engine_, SchedulerLimits(batch_rows=1)), requests)
+    assert max(sizes) >= 3 and set(alone_sizes) == {1}  # the batch ran; switched off, it did not
+    for request, got, want in zip(requests, batched, alone):
+        assert len(got) == len(want) == request.max_tokens
+        if request.sampler.greedy:
+            assert_greedy_agree(engine_.backend, list(request.prompt_ids), want, got)
+        else:
+            assert got == want
+
+
+async def test_a_cancelled_row_leaves_the_batch_and_the_others_finish(engine_):
+    scheduler = Scheduler(lambda: engine_)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        tickets = [scheduler.submit(request(40 + i, ignore_eos=True, mode="ar")) for i in range(4)]
+        seen = 0
+        async for event in tickets[0]:
+            seen += isinstance(event, TextDelta) and event.batch > 1
+            if seen == 3:
+                break
+        assert seen == 3  # it was in a batch
+        tickets[0].cancel()
+        steps = scheduler.steps
+        with anyio.fail_after(10):
+            while scheduler.stats().active > 3:
+                await anyio.sleep(0.001)
+        assert scheduler.steps - steps <= 2  # freed within a step (a pass is the batch's and one other)
+        for ticket, n in zip(tickets[1:], (41, 42, 43)):
+            tokens = [t for e in [e async for e in ticket] if isinstance(e, TextDelta) for t in e.token_ids]
+            assert len(tokens) == n
+        scheduler.stop()
+
+
+async def test_interactive_request_waits_for_at_most_one_batched_step(engine_):
+    scheduler = Scheduler(lambda: engine_)
+    log: list = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        for i in range(8):
+            tg.start_soon(collect, scheduler.submit(request(300, Priority.BACKGROUND, mode="ar")), log, f"bg{i}")
+        while not any(n == "bg7" and kind == "TextDelta" for n, kind in log):
+            await anyio.sleep(0.01)
+        steps_before = scheduler.steps
+        events = [e async for e in scheduler.submit(request(3, Priority.INTERACTIVE, mode="ar", ignore_eos=True))]
+        assert isinstance(events[-1], Done) and all(e.batch == 1 for e in events[:-1])
+        # the batched step already running, then its prefill and two AR steps, none behind the batch
+        assert scheduler.steps - steps_before <= 4
+        scheduler.stop()

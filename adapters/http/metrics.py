@@ -51,6 +51,11 @@ class Metrics:
                                 ["depth"], registry=r)
         self.acceptance = Gauge("mtplxd_mtp_acceptance_ratio", "Accepted / drafted since start, by draft depth",
                                 ["depth"], registry=r)
+        self.batch_rows = Histogram("mtplxd_batch_rows", "Rows in the engine step that made each row's tokens "
+                                    "(1: it stepped alone; mtplxd/scheduler.py)",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
+        self.step_tokens = Histogram("mtplxd_step_tokens", "Tokens a generation committed in one engine step",
+                                     buckets=(1, 2, 3, 4, 5, 6, 8), registry=r)
         self._tallies: dict[str, list[int]] = {}  # depth -> [drafted, accepted], for the ratio
 
     def attach(self, runtime: Runtime) -> None:
@@ -60,6 +65,9 @@ class Metrics:
 
     def observe(self, event: Any) -> None:
         if isinstance(event, TextDelta):
+            if event.token_ids:
+                self.batch_rows.observe(event.batch)
+                self.step_tokens.observe(len(event.token_ids))
             for i, ok in enumerate(event.accepted):
                 self._count_draft(str(i + 1), ok)
         elif isinstance(event, Done):

@@ -48,6 +48,14 @@ class RopeTable:
             self._grow(end)
         return self.cos[offset:end], self.sin[offset:end]
 
+    def rows(self, offsets: mx.array, length: int, bound: int) -> tuple[mx.array, mx.array]:
+        """cos and sin [B, 1, length, head_dim] for rows each at its own position
+        (offsets [B]; a batch of rows, engine/batch.py); `bound` >= every offset."""
+        if bound + length > self.cos.shape[0]:
+            self._grow(bound + length)
+        positions = mx.maximum(offsets[:, None] + mx.arange(length), 0)  # a padded row reads position 0
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
     def _grow(self, needed: int) -> None:
         size = max(FIRST_SIZE, self.cos.shape[0])
         while size < needed:
@@ -62,7 +70,8 @@ class RopeTable:
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """x [B, heads, L, head_dim] rotated by the tabulated cos/sin [L, head_dim]."""
+    """x [B, heads, L, head_dim] rotated by the tabulated cos/sin [L, head_dim] (or
+    [B, 1, L, head_dim], one position per row)."""
     half = x.shape[-1] // 2
     rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x * cos + rotated * sin).astype(x.dtype)
@@ -91,7 +100,8 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) 
     took 174 us where the library's took 330 (measured side by side). Not compiled:
     the key length grows every step and each new shape would be traced again. Metal
     keeps the fused kernel. Shapes: q [B, H, L, D]; k, v [B, H_kv, T, D]; mask
-    [H / H_kv * L, T] bool (True = may attend; `grouped_mask`) or None; query head
+    [H / H_kv * L, T] or [B, 1, H / H_kv * L, T] bool (True = may attend;
+    `grouped_mask`) or None; query head
     h reads kv head h // (H / H_kv), as the library's grouped-query attention does.
     """
     B, H, L, D = q.shape

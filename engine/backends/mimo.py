@@ -81,7 +81,7 @@ class StepInputs:
 def attention_inputs(block: nn.Module, x: mx.array, cos: mx.array, sin: mx.array):
     """Rows x [B*L, D] -> q (already scaled), k, v [B, heads, L, head_dim]."""
     attn = block.self_attn
-    length = cos.shape[0]
+    length = cos.shape[-2]  # cos [L, head_dim], or [B, 1, L, head_dim] in a batch of rows
     batch = x.shape[0] // length
     h = block.input_layernorm(x)
 
@@ -143,8 +143,13 @@ class MiMoBackend(Backend):
     def _step_inputs(self, x: mx.array, cache) -> StepInputs:
         """Rotary slices and mask, built once for all the blocks of a step."""
         length = x.shape[1]
+        on_cpu = length <= COMPILED_MAX_TOKENS and mx.default_device() == mx.cpu
+        if isinstance(cache.offset, mx.array):  # a batch of rows, each at its own position (engine/batch.py)
+            cos, sin = self.rope.rows(cache.offset, length, cache.size())
+            mask = create_attention_mask(x, cache, return_array=True)  # [B, 1, L, T]: padding and causality
+            return StepInputs(cos, sin, on_cpu, mx.tile(mask, (1, 1, self.group, 1)) if on_cpu else mask)
         cos, sin = self.rope.slices(cache.offset, length)
-        if length > COMPILED_MAX_TOKENS or mx.default_device() != mx.cpu:
+        if not on_cpu:
             return StepInputs(cos, sin, False, create_attention_mask(x, cache))
         causal = create_causal_mask(length, cache.offset) if length > 1 else None
         return StepInputs(cos, sin, True, grouped_mask(causal, self.group))

@@ -11,6 +11,7 @@ state directory), in one run:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def ttft_series(client: httpx.Client, n: int) -> list[float]:
 
 
 def run_bench(base_url: str, n: int = 20, background_streams: int = 4) -> ServeBench:
+    """Interactive TTFT idle and behind `background_streams` normal streams; HTTP overhead."""
     with httpx.Client(base_url=base_url, timeout=600) as client:
         ttft_series(client, 2)  # warm-up
         idle = ttft_series(client, n)
@@ -115,15 +117,17 @@ def run_bench(base_url: str, n: int = 20, background_streams: int = 4) -> ServeB
 
 
 @contextmanager
-def scratch_daemon(model: str | None):
-    """A daemon started as users start it, on a scratch state directory."""
+def scratch_daemon(model: str | None, settings: dict[str, str] | None = None):
+    """A daemon started as users start it, on a scratch state directory; `settings`:
+    more of its settings, as the environment gives them (`{"batch_rows": "1"}`)."""
     from mtplxd.client import read_address
 
+    env = {**os.environ, **{f"MTPLXD_{k.upper()}": v for k, v in (settings or {}).items()}}
     with tempfile.TemporaryDirectory() as state:
         cmd = [sys.executable, "-m", "mtplxd", "start", "--detach", "--port", "0", "--state-dir", state]
         if model:
             cmd += ["--model", model]
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, env=env)
         try:
             address = read_address(Path(state))
             if address is None:  # `start --detach` returned: the daemon should be listening
