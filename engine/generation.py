@@ -120,7 +120,6 @@ class Generation:
         self._extra_fed: list[int] = []  # fed to the trunk but cut from `tokens` by a stop or the budget
         self._sampled = False  # the first token has been sampled
         self._checks: list[mx.array] = []  # top-p shortcuts taken since the last sync (sampling.py)
-        self._batch_key: mx.array | None = None  # the key of a batched step's draw
         if restore is not None:
             self._restore(restore.snapshot, restore.length)
 
@@ -197,9 +196,8 @@ class Generation:
     # -- plain autoregressive decoding -----------------------------------------
 
     def _ar_step(self) -> StepResult:
-        """One token; a batch of rows runs the same two halves (engine/batch.py)."""
         logits, hidden = self.backend.forward(mx.array([[self.tokens[-1]]]), self.cache)
-        return self.commit_batched(self.draw_batched(logits[:, -1]), logits[:, -1], hidden)
+        return self.commit_drawn(self._draw_token(logits[:, -1]), logits[:, -1], hidden)
 
     # -- one row of a batch (engine/batch.py) -----------------------------------------
 
@@ -216,22 +214,15 @@ class Generation:
             self.request = replace(self.request, mode="ar")
             self.head_caches, self._heads = [], []
 
-    def draw_batched(self, logits: mx.array) -> mx.array:
-        """This row's next token from its logits [1, V], not yet evaluated: the batch
-        evaluates every row's draw at once, then calls `commit_batched`."""
-        self._batch_key = self._next_key()
-        token, _ = self._draw(logits, self._batch_key, exact=False)
-        return token
-
-    def commit_batched(self, token: mx.array, logits: mx.array, hidden: mx.array | None) -> StepResult:
-        """The end of a batched AR step for this row; the same as `_ar_step`'s, the same
-        key drawn with, the draw redone exactly where the top-p shortcut did not hold."""
-        if not self._covered(token):
-            token, _ = self._draw(logits, self._batch_key, exact=True)
+    def commit_drawn(self, token: int, logits: mx.array, hidden: mx.array | None,
+                     host_logits: Tensor | None = None) -> StepResult:
+        """Commit an AR step's token (a batch of rows draws its rows' tokens together,
+        and copies their logits to the host at once: engine/batch.py); logits [1, V] and
+        hidden [1, 1, D] of the fed position."""
         self._fed += 1
         self._log_hidden(hidden)
-        result = self._commit([int(token.item())])
-        self._log_logits(logits)
+        result = self._commit([token])
+        self._log_logits(logits, host_logits)
         return result
 
     # -- speculative cycle -----------------------------------------------------
@@ -248,7 +239,7 @@ class Generation:
         tape = Tape(length=depth + 1)
         window = mx.concatenate([mx.array([self.tokens[-1]]), drafts])[None]
         logits, hidden = self.backend.forward(window, self.cache, tape)
-        n_accepted, next_token = self._verify(logits, q, drafts, exact)
+        n_accepted, next_token = self._verify(logits, q, drafts, exact, self._next_key())
         if not self._covered(n_accepted, next_token, drafts):
             self.backend.rewind(self.cache, tape, keep=0)
             for cache, offset in zip(self.head_caches, offsets):
@@ -298,10 +289,10 @@ class Generation:
         drafts.append(token)
         q.append(probs)
 
-    def _verify(self, logits: mx.array, q: list, drafts: mx.array, exact: bool) -> tuple[mx.array, mx.array]:
+    def _verify(self, logits: mx.array, q: list, drafts: mx.array, exact: bool,
+                key: mx.array) -> tuple[mx.array, mx.array]:
         """The exact rule on the verify window's logits [1, K+1, V]; greedy decoding
         needs no distributions: it is the same rule on one-hot p and q."""
-        key = self._next_key()
         if self.request.sampler.greedy:
             return verify_greedy(logits, drafts[None])
         p = self._probs(logits[0], exact)[None]
@@ -420,9 +411,10 @@ class Generation:
                 mx.eval(joined)
                 self._hidden_log = [joined]
 
-    def _log_logits(self, logits: mx.array) -> None:
+    def _log_logits(self, logits: mx.array, host: Tensor | None = None) -> None:
+        """Keep a host copy of the logits after the last fed token (`host`: made already)."""
         if self._record:
-            self._last_logits = to_host(logits)
+            self._last_logits = host if host is not None else to_host(logits)
 
     # -- shared helpers --------------------------------------------------------
 

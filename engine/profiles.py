@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -38,6 +38,9 @@ MEASURED_TEMPERATURES = {"t0": 0.0, "t0.6": 0.6}
 # greedy, or nucleus sampling as chat clients use it.
 MEASURED_SAMPLERS = {key: SamplerSettings(temperature=t, top_p=0.95 if t > 0 else 1.0)
                      for key, t in MEASURED_TEMPERATURES.items()}
+# Batched decoding is measured at this one temperature, at these batch sizes.
+BATCH_TEMPERATURE = "t0.6"
+MEASURED_BATCH_SIZES = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,10 @@ class Calibration:
     speedups: dict[str, dict[int, float]] = field(default_factory=dict)
     measured_at: float = 0.0
     detail: str = ""  # how it was measured (command, prompts, tokens)
+    # Rows decoding in one batch (engine/batch.py), at BATCH_TEMPERATURE: batch size ->
+    # {depth: MTP tok/s over AR tok/s, both batched}. A larger batch is more compute-bound,
+    # so speculation pays less: this says from which size plain AR is faster.
+    batched: dict[int, dict[int, float]] = field(default_factory=dict)
 
     @classmethod
     def from_speeds(cls, speeds: dict[tuple[str, str, int], float], measured_at: float,
@@ -122,14 +129,25 @@ class Calibration:
             return DepthChoice("ar", 0, speedup, "measured")
         return DepthChoice("mtp", depth, speedup, "measured")
 
+    def batch_mtp(self, rows: int, depth: int) -> bool | None:
+        """Whether `rows` rows decode faster batched with MTP at `depth` than plainly, at
+        the nearest measured batch size (the larger on a tie); None when not measured."""
+        if not self.batched:
+            return None
+        nearest = min(self.batched, key=lambda b: (abs(b - rows), -b))
+        speedup = self.batched[nearest].get(depth)
+        return None if speedup is None else speedup > 1.0
+
     def to_json(self) -> dict:
         return {"speedups": {t: {str(d): s for d, s in by.items()} for t, by in self.speedups.items()},
+                "batched": {str(b): {str(d): s for d, s in by.items()} for b, by in self.batched.items()},
                 "measured_at": self.measured_at, "detail": self.detail}
 
     @classmethod
     def from_json(cls, data: dict) -> Calibration:
         speedups = {t: {int(d): float(s) for d, s in by.items()} for t, by in data["speedups"].items()}
-        return cls(speedups, float(data.get("measured_at", 0.0)), str(data.get("detail", "")))
+        batched = {int(b): {int(d): float(s) for d, s in by.items()} for b, by in data.get("batched", {}).items()}
+        return cls(speedups, float(data.get("measured_at", 0.0)), str(data.get("detail", "")), batched)
 
 
 def _nearest_key(temperature: float) -> str:
@@ -191,6 +209,10 @@ class CalibrationStore:
         # (keys without an engine part are from before it was recorded).
         data = {k: v for k, v in self._read().items()
                 if model_and_machine not in (k, k.rsplit("@", 1)[0])}
+        old = self._read().get(key)
+        if not calibration.batched and isinstance(old, dict) and old.get("batched"):
+            # `mtplxd bench` measures lone generations only: keep the batch sizes measured before.
+            calibration = replace(calibration, batched=Calibration.from_json(old).batched)
         data[key] = calibration.to_json()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -243,10 +265,22 @@ class DecodePlanner:
             return DepthChoice("mtp", profile.default_depth, None, "default")
         return self.calibration.choose(profile, temperature, self.n_heads)
 
+    def batch_depth(self, rows: int, depth: int) -> int:
+        """The depth generations planned at `depth` decode with when `rows` of them share
+        a batch: `depth` while batched MTP was measured faster than batched AR at that
+        size (or not measured), else 0, plain AR."""
+        if rows < 2 or depth == 0 or self.forced_depth is not None:
+            return depth
+        faster = self.calibration.batch_mtp(rows, depth) if self.calibration is not None else None
+        return depth if faster is None or faster else 0
+
     def describe(self) -> dict:
         """For /health and the MCP status tool."""
-        out = {"profile": self.profile.name, "calibrated": self.calibration is not None}
+        out: dict = {"profile": self.profile.name, "calibrated": self.calibration is not None}
         for key, t in MEASURED_TEMPERATURES.items():
             plan = self.plan(t)
             out[key] = {"mode": plan.mode, "depth": plan.depth if plan.mode == "mtp" else 0, "source": plan.source}
+        plan = self.plan(MEASURED_TEMPERATURES[BATCH_TEMPERATURE])
+        depth = plan.depth if plan.mode == "mtp" else 0
+        out["batched_depth"] = {str(rows): self.batch_depth(rows, depth) for rows in (1, *MEASURED_BATCH_SIZES)}
         return out

@@ -29,10 +29,15 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
     the very top, the last token with mass is taken. Each token's interval is
     exact up to float32 rounding of the running sum.
     """
+    return inverse_cdf(probs, mx.random.uniform(shape=(*probs.shape[:-1], 1), key=key))
+
+
+def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
+    """`sample` with its uniforms u [..., 1] in [0, 1) given (a batch of rows draws
+    each row's from its own key: engine/batch.py)."""
     probs = probs.astype(mx.float32)
     cdf = mx.cumsum(probs, axis=-1)
-    u = mx.random.uniform(shape=(*cdf.shape[:-1], 1), key=key) * cdf[..., -1:]
-    drawn = (cdf <= u).sum(axis=-1)
+    drawn = (cdf <= u * cdf[..., -1:]).sum(axis=-1)
     last_with_mass = (mx.arange(probs.shape[-1]) * (probs > 0)).max(axis=-1)
     return mx.minimum(drawn, last_with_mass).astype(mx.int32)
 
@@ -132,3 +137,4 @@ def verify_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.arra
 # give the same tokens for the same keys.
 compiled_verify = mx.compile(verify)
 compiled_sample = mx.compile(sample)
+compiled_inverse_cdf = mx.compile(inverse_cdf)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Callable, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 from urllib.parse import unquote, urlparse
 
+import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from engine.prompts import Heal
@@ -71,6 +72,12 @@ class TextDelta:
     drafted: int = 0
     accepted: tuple[bool, ...] = ()
     batch: int = 1  # rows in the engine step that made it (mtplxd/scheduler.py's batch)
+
+    def then(self, later: TextDelta) -> TextDelta:
+        """This delta and the next as one (a client that reads slower than the engine
+        writes gets fewer, larger chunks)."""
+        return TextDelta(self.text + later.text, self.token_ids + later.token_ids, self.drafted + later.drafted,
+                         self.accepted + later.accepted, max(self.batch, later.batch))
 
 
 @dataclass
@@ -166,6 +173,22 @@ class Ticket:
 
     async def next_event(self) -> Event:
         return await self._receive.receive()
+
+    async def coalesced(self) -> AsyncIterator[Event]:
+        """The events, with the text deltas already waiting joined into one: a stream
+        writes one chunk for what the engine made while it wrote the last."""
+        async for event in self:
+            while isinstance(event, TextDelta):
+                try:
+                    later = self._receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                if not isinstance(later, TextDelta):
+                    yield event
+                    event = later
+                    break
+                event = event.then(later)
+            yield event
 
     def cancel(self) -> None:
         self._cancel()

@@ -27,6 +27,7 @@ has loaded; text jobs look up and offer snapshots there, warm-up jobs
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
@@ -42,7 +43,7 @@ import anyio.from_thread
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectSendStream
 
-from engine.batch import DecodeBatch, batchable
+from engine.batch import DecodeBatch, batchable, depth_of
 from engine.checkpoint import CheckpointError, read_config
 from engine.generation import Generation
 from engine.profiles import (
@@ -103,14 +104,20 @@ class Scheduler:
         self._stopping = False
         self._ids = itertools.count(1)
         self.completed = self.cancelled = self.steps = 0
-        self.batch: DecodeBatch | None = None  # set once the model has loaded, when batching is on
-        self._batched: list[_Entry] = []  # the batch's rows' entries, in its row order
+        self.batching = False  # set once the model has loaded, when batching is on
+        self._batches: dict[int, DecodeBatch] = {}  # by MTP depth (0: plain AR)
+        self._batched: dict[_Entry, DecodeBatch] = {}  # each batched entry's batch
         self.on_event: Callable[[_Entry, Event], None] | None = None  # mtplxd/runtime.py's listeners
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop the streams live on
 
     # -- event-loop side ---------------------------------------------------------
 
     async def run(self) -> None:
         """Load the engine and serve jobs on the worker thread until `stop()`."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # another anyio backend: hand events over the blocking way
+            self._loop = None
         limiter = anyio.CapacityLimiter(1)
         await anyio.to_thread.run_sync(self._worker, limiter=limiter, abandon_on_cancel=True)
 
@@ -166,8 +173,7 @@ class Scheduler:
             self.state = "failed"
             self._fail_all(f"model failed to load: {self.load_error}", "internal")
             return
-        if self.limits.batch_rows > 1 and hasattr(self.engine, "backend"):
-            self.batch = DecodeBatch(self.engine.backend)
+        self.batching = self.limits.batch_rows > 1 and hasattr(self.engine, "backend")
         self._serve()
         self.state = "stopped"
         self._fail_all("the daemon is shutting down", "shutdown")
@@ -229,7 +235,7 @@ class Scheduler:
                 self._close(job)
             # Interactive work never waits behind the batch (normal and background rows).
             if self._batched and (entry is None or entry.request.priority != Priority.INTERACTIVE):
-                self._step_batch()
+                self._step_batches()
             if entry is not None:
                 self._advance(entry)
                 self._batch_decoding()
@@ -258,7 +264,7 @@ class Scheduler:
 
     def _cache_bytes(self) -> int:
         """KV and recurrent state held by open generations (the batch's padding included)."""
-        held = self.batch.nbytes if self.batch is not None else 0
+        held = sum(batch.nbytes for batch in self._batches.values())
         for queue in self._queues.values():
             for entry in queue:
                 generation = getattr(entry.job, "generation", None)
@@ -269,33 +275,56 @@ class Scheduler:
     # -- the batch ---------------------------------------------------------------
 
     def _batch_decoding(self) -> None:
-        """Move decoding text generations into the batch once two or more decode; a
-        lone row leaves it (alone, a generation decodes faster outside)."""
-        if self.batch is None:
+        """Move decoding text generations into a batch (one per MTP depth) once two or
+        more decode; a lone row leaves (alone, a generation decodes faster outside).
+        Where the calibration measured plain AR faster than MTP at this many rows,
+        MTP rows decode plainly from now on (engine/profiles.py's batch_depth)."""
+        if not self.batching:
             return
         with self._cond:
             ready = [e for q in self._queues.values() for e in q if e not in self._batched and not e.cancelled
                      and e.request.priority != Priority.INTERACTIVE and _decoding(e)]
-        room = self.limits.batch_rows - len(self._batched)
-        if len(self._batched) + len(ready) >= 2:
-            for entry in ready[: max(0, room)]:
+        rows = len(self._batched) + len(ready)
+        if rows >= 2:
+            for entry in ready[: max(0, self.limits.batch_rows - len(self._batched))]:
                 _text_job(entry).offer_prompt_snapshot()  # while it still holds its own caches
-                self.batch.join(_text_job(entry).generation)
-                self._batched.append(entry)
+                self._join(entry, rows)
+            for entry, batch in list(self._batched.items()):
+                if batch.depth and self._batch_depth(rows, batch.depth) == 0:
+                    self._unbatch(entry)  # the batch grew past where MTP pays
+                    self._join(entry, rows)
         elif len(self._batched) == 1 and not ready:
-            self._unbatch(self._batched[0])
+            self._unbatch(next(iter(self._batched)))
+
+    def _batch_depth(self, rows: int, depth: int) -> int:
+        return self.planner.batch_depth(rows, depth) if self.planner is not None else depth
+
+    def _join(self, entry: _Entry, rows: int) -> None:
+        generation = _text_job(entry).generation
+        if self._batch_depth(rows, depth_of(generation)) == 0:
+            generation.to_ar()  # exact either way: the trunk's caches are the same
+        depth = depth_of(generation)
+        if depth not in self._batches:
+            self._batches[depth] = DecodeBatch(generation.backend, depth)
+        self._batches[depth].join(generation)
+        self._batched[entry] = self._batches[depth]
 
     def _unbatch(self, entry: _Entry) -> None:
-        if entry in self._batched and self.batch is not None:
-            self.batch.leave(_text_job(entry).generation)
-            self._batched.remove(entry)
+        batch = self._batched.pop(entry, None)
+        if batch is not None:
+            batch.leave(_text_job(entry).generation)
 
-    def _step_batch(self) -> None:
-        """One token for every row of the batch; rows that end leave it at once."""
-        entries = list(self._batched)
-        assert self.batch is not None  # rows join only a batch that exists
+    def _step_batches(self) -> None:
+        for batch in list(self._batches.values()):
+            if len(batch):
+                self._step_batch(batch)
+
+    def _step_batch(self, batch: DecodeBatch) -> None:
+        """One step for every row of the batch; rows that end leave it at once."""
+        entries = sorted((e for e, b in self._batched.items() if b is batch),
+                         key=lambda e: batch.rows.index(_text_job(e).generation))
         try:
-            results = self.batch.step()
+            results = batch.step()
         except Exception as e:  # the batch's caches may be half-updated: end every row
             log.exception("batched step failed")
             for entry in entries:
@@ -305,11 +334,11 @@ class Scheduler:
                 self._finish(entry)
             return
         self.steps += 1
-        for entry, result in zip(entries, results):
-            job = _text_job(entry)
-            for event in job.events(result, batch=len(entries)):
-                self._deliver(entry, event)
-            if job.finished:
+        deliveries = [(entry, event) for entry, result in zip(entries, results)
+                      for event in _text_job(entry).events(result, batch=len(entries))]
+        self._deliver_all(deliveries)
+        for entry in entries:
+            if _text_job(entry).finished:
                 self._unbatch(entry)
                 self._finish(entry)
 
@@ -364,12 +393,32 @@ class Scheduler:
         return TextJob(request, engine, self.plan(request), seed, self.bank)
 
     def _deliver(self, entry: _Entry, event: Event) -> None:
+        self._deliver_all([(entry, event)])
+
+    def _deliver_all(self, deliveries: list[tuple[_Entry, Event]]) -> None:
+        """Hand events to their streams in one trip to the event loop (a batched step
+        has one event per row or more)."""
         if self.on_event is not None:
-            self.on_event(entry, event)
+            for entry, event in deliveries:
+                self.on_event(entry, event)
+
+        def send() -> None:
+            for entry, event in deliveries:
+                try:
+                    entry.send.send_nowait(event)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    entry.cancelled = True  # the client is gone: free the engine next pick
+
+        self._in_loop(send)
+
+    def _in_loop(self, call: Callable[[], None]) -> None:
+        """Run `call` on the event loop, in order with the calls before it. The worker
+        does not wait for it: the next step need not wait for the streams' writes."""
         try:
-            anyio.from_thread.run_sync(entry.send.send_nowait, event)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            entry.cancelled = True  # the client is gone: free the engine next pick
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(call)
+            else:
+                anyio.from_thread.run_sync(call)
         except RuntimeError:
             pass  # event loop already closed (shutdown)
 
@@ -384,10 +433,7 @@ class Scheduler:
         self._close_stream(entry)
 
     def _close_stream(self, entry: _Entry) -> None:
-        try:
-            anyio.from_thread.run_sync(entry.send.close)
-        except RuntimeError:
-            pass
+        self._in_loop(entry.send.close)
 
     def _fail_all(self, message: str, kind: FailureKind) -> None:
         """End every job with a final error event (never while holding the lock:

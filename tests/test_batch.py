@@ -14,65 +14,71 @@ import mlx.core as mx
 import pytest
 
 import engine.batch
-from engine.batch import DecodeBatch, batchable
+from engine.batch import DecodeBatch, batchable, depth_of
 from engine.generation import GenerationRequest
 from engine.sampling import SamplerSettings
 from tests.engine_helpers import (
     assert_caches_close, assert_greedy_agree, available_families, caches_excess, greedy, load_family, run,
 )
-from tests.floats import LONG_PATHS_ULPS
+from tests.floats import LONG_PATHS_ULPS, assert_close
+import engine.speculative
+from engine.speculative import sample
 from tests.test_engine_exactness import PROMPT, SAMPLERS, chi_square_pvalue, exact_joint
 
-# (prompt, sampler, seed, max_tokens, mode, the batch step at which it is opened)
+# (prompt, sampler, seed, max_tokens, mode, depth, the batch step at which it is opened):
+# two MTP batches (depths 2 and 3; the checkpoints have 2 heads, so depth 3 reuses
+# the last one) and one AR batch.
 ROWS = [
-    ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], greedy(), 0, 14, "mtp", 0),
-    ([9, 4], SamplerSettings(temperature=0.8), 11, 10, "ar", 0),
-    ([3, 3, 4, 4, 5, 5, 6], greedy(), 0, 6, "ar", 2),
+    ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], greedy(), 0, 14, "mtp", 2, 0),
+    ([9, 4], SamplerSettings(temperature=0.8), 11, 10, "mtp", 2, 0),
+    ([3, 3, 4, 4, 5, 5, 6], greedy(), 0, 6, "mtp", 2, 2),
     ([7, 1, 2, 8, 2, 1, 7, 1, 2, 8, 2, 1, 7, 1, 2, 8, 2, 1, 4, 5, 6], SamplerSettings(temperature=0.6, top_p=0.9),
-     5, 9, "mtp", 3),
-    ([12, 13], SamplerSettings(temperature=1.0, top_k=4), 7, 12, "ar", 5),
+     5, 9, "mtp", 2, 3),
+    ([12, 13], SamplerSettings(temperature=1.0, top_k=4), 7, 12, "mtp", 2, 5),
+    ([4, 4, 4, 9], greedy(), 0, 11, "mtp", 3, 0),
+    ([8, 3, 8, 3, 8], SamplerSettings(temperature=0.7), 2, 13, "mtp", 3, 1),
+    ([2, 7], SamplerSettings(temperature=0.9), 4, 8, "ar", 0, 0),
+    ([6, 5, 4, 3, 2, 1], greedy(), 0, 10, "ar", 0, 1),
 ]
 
 
-def _request(prompt, sampler, seed, max_tokens, mode) -> GenerationRequest:
+def _request(prompt, sampler, seed, max_tokens, mode, depth) -> GenerationRequest:
     return GenerationRequest(prompt=tuple(prompt), sampler=sampler, seed=seed, max_tokens=max_tokens, mode=mode,
-                             depth=1, compiled=True)
+                             depth=depth)
 
 
 def _batched(engine_, rows=ROWS, corrupt=None) -> list:
-    """Run `rows` through one batch; each is opened at its step, prefilled and given its
-    first token alone, then joins; returns the generations once all are done."""
-    batch = DecodeBatch(engine_.backend)
+    """Run `rows` through batches (one per depth, as the scheduler keeps them); each row
+    is opened at its step, prefilled and given its first token alone, then joins;
+    returns the generations once all are done."""
+    batches: dict[int, DecodeBatch] = {}
     gens: list = [None] * len(rows)
     step = 0
-    while step == 0 or len(batch):
-        for i, (prompt, sampler, seed, max_tokens, mode, at) in enumerate(rows):
+    while step == 0 or any(len(b) for b in batches.values()):
+        for i, (prompt, sampler, seed, max_tokens, mode, depth, at) in enumerate(rows):
             if at == step:
-                gen = engine_.open(_request(prompt, sampler, seed, max_tokens, mode))
+                gen = engine_.open(_request(prompt, sampler, seed, max_tokens, mode, depth), record=True)
                 while not gen.finished and not batchable(gen):
                     gen.step()
                 gens[i] = gen
                 if not gen.finished:
+                    batch = batches.setdefault(depth_of(gen), DecodeBatch(engine_.backend, depth_of(gen)))
                     batch.join(gen)
                     if corrupt is not None:
                         corrupt(batch)
-        for gen in list(batch.rows):
-            if gen.finished:
-                batch.leave(gen)
-        batch.step()
-        for gen in list(batch.rows):
-            if gen.finished:
-                batch.leave(gen)
+        for batch in batches.values():
+            batch.step()
+            for gen in list(batch.rows):
+                if gen.finished:
+                    batch.leave(gen)
         step += 1
     return gens
 
 
-def _solo(engine_, prompt, sampler, seed, max_tokens, mode, at):
-    """The same row alone: plain decoding after its first token, as in a batch."""
-    gen = engine_.open(_request(prompt, sampler, seed, max_tokens, mode))
+def _solo(engine_, prompt, sampler, seed, max_tokens, mode, depth, at):
+    """The same row alone."""
+    gen = engine_.open(_request(prompt, sampler, seed, max_tokens, mode, depth), record=True)
     while not gen.finished:
-        if batchable(gen):
-            gen.to_ar()
         gen.step()
     return gen
 
@@ -90,8 +96,19 @@ def test_rows_in_a_batch_decode_as_alone(tmp_path, family):
             assert_greedy_agree(engine_.backend, list(prompt), want, got)
         else:
             assert got == want, f"seeded row {prompt[:3]}...: {got} alone {want}"
-        if got == want:  # the caches it leaves with are the solo run's
-            assert_caches_close(gen.cache, solo.cache, LONG_PATHS_ULPS, f"{family} row {prompt[:3]}")
+        if got == want:  # the caches it leaves with are the solo run's, heads and their inputs included
+            what = f"{family} row {prompt[:3]}"
+            assert_caches_close(gen.cache, solo.cache, LONG_PATHS_ULPS, what)
+            assert_caches_close(gen.head_caches, solo.head_caches, LONG_PATHS_ULPS, what + " heads")
+            # what it offers the session bank: its hidden states and last logits too
+            mine_snap, their_snap = gen.snapshot(), solo.snapshot()
+            assert (mine_snap.tokens == their_snap.tokens).all()
+            assert_close(mine_snap.hidden.data, their_snap.hidden.data, LONG_PATHS_ULPS, what + " hidden")
+            assert_close(mine_snap.logits.data, their_snap.logits.data, LONG_PATHS_ULPS, what + " logits")
+            for mine, theirs in zip(gen._heads, solo._heads):
+                assert (mine.pending is None) == (theirs.pending is None), what
+                if mine.pending is not None:
+                    assert_close(mine.pending, theirs.pending, LONG_PATHS_ULPS, what + " pending")
 
 
 def test_a_batch_that_misplaces_rows_fails(tmp_path):
@@ -110,11 +127,12 @@ def test_a_batch_that_misplaces_rows_fails(tmp_path):
 
 
 def _batched_counts(engine_, sampler, n: int, wave: int = 8) -> dict:
-    """Seeded 3-token generations, 8 at a time in one batch beside two long-running
-    greedy neighbours; the first token is drawn at prefill, the others in the batch."""
-    batch = DecodeBatch(engine_.backend)
+    """Seeded 3-token MTP generations at depth 2, 8 at a time in one batch beside two
+    long-running greedy neighbours; the first token is drawn at prefill, the others by
+    the batch's draft-verify cycles."""
+    batch = DecodeBatch(engine_.backend, depth=2)
     for prompt in ([4, 5, 6, 7, 8, 9, 10, 11], [12, 3]):
-        neighbour = engine_.open(_request(prompt, greedy(), 0, 10**6, "ar"))
+        neighbour = engine_.open(_request(prompt, greedy(), 0, 10**6, "mtp", 2))
         neighbour.step()
         batch.join(neighbour)
     counts: dict = {}
@@ -124,10 +142,12 @@ def _batched_counts(engine_, sampler, n: int, wave: int = 8) -> dict:
         for gen in rows:
             gen.step()
             batch.join(gen)
-        while any(not gen.finished for gen in rows):
+        while any(gen in batch for gen in rows):
             batch.step()
+            for gen in rows:
+                if gen.finished and gen in batch:
+                    batch.leave(gen)
         for gen in rows:
-            batch.leave(gen)
             key = tuple(gen.tokens[len(PROMPT):])
             counts[key] = counts.get(key, 0) + 1
     return counts
@@ -148,12 +168,29 @@ def test_batched_output_distribution_is_exact_large(tmp_path):
     assert _batched_exactness(tmp_path, n=20000) > 1e-3
 
 
-def test_batched_negative_control_fails(tmp_path, monkeypatch):
-    """A batch that gives each row its neighbour's logits must fail the same test."""
-    original = engine.batch.row_logits
-    monkeypatch.setattr(engine.batch, "row_logits", lambda logits: original(mx.roll(logits, 1, axis=0)))
+def _failed_exactness(tmp_path) -> float:
     try:
-        p_value = _batched_exactness(tmp_path, n=800)
+        return _batched_exactness(tmp_path, n=800)
     except AssertionError:  # it even drew a sequence of probability zero
-        p_value = 0.0
-    assert p_value < 1e-6
+        return 0.0
+
+
+def test_batched_negative_control_rows_fails(tmp_path, monkeypatch):
+    """A batch that verifies each row against its neighbour's logits must fail the same test."""
+    original = engine.batch._verify_groups
+    monkeypatch.setattr(engine.batch, "_verify_groups",
+                        lambda groups, logits, *rest: original(groups, mx.roll(logits, 1, axis=0), *rest))
+    assert _failed_exactness(tmp_path) < 1e-6
+
+
+def test_batched_negative_control_rule_fails(tmp_path, monkeypatch):
+    """A batch whose rows resample from p instead of the residual must fail it too."""
+    def broken_row(p, q, drafts, key):
+        key_u, key_next = mx.random.split(key)
+        n = engine.speculative._accepted_prefix(p[None], q[None], drafts[None], key_u)
+        # The bug: p at the first rejection where the rule takes residual(p, q) there.
+        final = mx.take_along_axis(p[None], n.astype(mx.uint32)[:, None, None], axis=1)[:, 0]
+        return n, sample(final, key_next)
+
+    monkeypatch.setattr(engine.batch, "_verify_rows", mx.vmap(broken_row))
+    assert _failed_exactness(tmp_path) < 1e-6

@@ -74,6 +74,19 @@ def test_request_and_operator_choices_beat_the_measurement():
         planner.plan(0.0, profile="warp")
 
 
+def test_the_batch_size_decides_between_batched_mtp_and_plain_ar():
+    # Measured: MTP pays in a batch of 2, not from 4 rows on (a compute-bound batch).
+    cal = Calibration({"t0.6": {2: 1.3}}, batched={2: {2: 1.2}, 4: {2: 0.9}, 8: {2: 0.6}})
+    planner = DecodePlanner(SUSTAINED, n_heads=2, calibration=cal)
+    # 3 rows: as near 2 as 4; the larger measured size decides
+    assert [planner.batch_depth(rows, 2) for rows in (1, 2, 3, 4, 6, 8, 16)] == [2, 2, 0, 0, 0, 0, 0]
+    assert planner.batch_depth(8, 0) == 0  # AR rows stay AR
+    assert DecodePlanner(SUSTAINED, 2).batch_depth(8, 2) == 2  # nothing measured: the plan stands
+    assert DecodePlanner(SUSTAINED, 2, cal, forced_depth=2).batch_depth(8, 2) == 2  # --depth
+    assert planner.describe()["batched_depth"] == {"1": 2, "2": 2, "4": 0, "8": 0}
+    assert Calibration.from_json(cal.to_json()) == cal
+
+
 def test_auto_profile_follows_the_model():
     assert auto_profile({"model_type": "mimo"}) is SUSTAINED
     assert auto_profile({"quantization": {"group_size": 64, "bits": 4}}) is TURBO
@@ -281,6 +294,8 @@ def test_daemon_calibrates_in_the_background_once(tmp_path, mimo_folder):
     stored = CalibrationStore(state).get(mimo_folder)
     assert stored is not None and set(stored.speedups) == {"t0", "t0.6"}
     assert set(stored.speedups["t0"]) == {1, 2, 3} and all(s > 0 for s in stored.speedups["t0"].values())
+    assert set(stored.batched) == {2, 4, 8} and all(set(by) == {1, 2, 3} for by in stored.batched.values())
+    assert all(s > 0 for by in stored.batched.values() for s in by.values())
     # A restart reads it instead of measuring again.
     with running_daemon(state, mimo_folder, env=env) as daemon:
         assert httpx.get(f"{daemon.base_url}/health").json()["decoding"]["calibrated"]

@@ -312,3 +312,52 @@ async def test_interactive_request_waits_for_at_most_one_batched_step(engine_):
         # the batched step already running, then its prefill and two AR steps, none behind the batch
         assert scheduler.steps - steps_before <= 4
         scheduler.stop()
+
+
+async def test_the_measured_batch_size_picks_batched_mtp_or_plain_ar(engine_):
+    from engine.profiles import Calibration
+
+    greedy = SamplerSettings(temperature=0.0)
+    for batched, mtp_in_batch in (({2: {1: 1.5}, 4: {1: 1.5}}, True), ({2: {1: 0.7}, 4: {1: 0.7}}, False)):
+        scheduler = Scheduler(lambda: engine_)
+        deltas: list[TextDelta] = []
+        planned: list[int] = []
+
+        async def one(i: int) -> None:
+            request = TextRequest(prompt_ids=(10 + i, 11, 12), max_tokens=24, sampler=greedy, ignore_eos=True)
+            events = [e async for e in scheduler.submit(request)]
+            deltas.extend(e for e in events if isinstance(e, TextDelta))
+            planned.append(events[-1].mtp.depth)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(scheduler.run)
+            while scheduler.state != "ready":
+                await anyio.sleep(0.01)
+            scheduler.set_calibration(Calibration({"t0": {1: 1.4}}, batched=batched))  # alone, MTP depth 1 pays
+            async with anyio.create_task_group() as clients:
+                for i in range(4):
+                    clients.start_soon(one, i)
+            scheduler.stop()
+        in_batch = [d for d in deltas if d.batch > 1]
+        assert in_batch and planned == [1] * 4  # batched, each planned MTP at depth 1
+        assert all(d.drafted == (1 if mtp_in_batch else 0) for d in in_batch)
+
+
+async def test_a_long_prefill_runs_in_chunks_between_the_batchs_steps(engine_):
+    scheduler = Scheduler(lambda: engine_)
+    log: list = []
+    long_prompt = tuple(5 + i % 20 for i in range(1500))  # three 512-token prefill chunks
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run)
+        for i in range(3):
+            tg.start_soon(collect, scheduler.submit(request(400, mode="ar", ignore_eos=True)), log, f"row{i}")
+        while sum(kind == "TextDelta" for _, kind in log) < 9:
+            await anyio.sleep(0.01)
+        start = len(log)
+        ticket = scheduler.submit(TextRequest(prompt_ids=long_prompt, max_tokens=2, mode="ar"))
+        first = await ticket.next_event()
+        assert isinstance(first, TextDelta)
+        during = [name for name, kind in log[start:] if kind == "TextDelta"]
+        # the rows kept streaming while the prompt went in: a batched step before each chunk
+        assert len(during) >= 3 * 3
+        scheduler.stop()

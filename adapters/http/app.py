@@ -195,7 +195,7 @@ class _Api:
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics_text(self, request: Request) -> Any:
-        return Response(self.metrics.render(self.runtime.stats()), media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(self.runtime.stats(), self.runtime.decoding()), media_type=CONTENT_TYPE)
 
     # -- helpers ---------------------------------------------------------------------
 

@@ -54,6 +54,8 @@ class Metrics:
         self.batch_rows = Histogram("mtplxd_batch_rows", "Rows in the engine step that made each row's tokens "
                                     "(1: it stepped alone; mtplxd/scheduler.py)",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
+        self.batch_depth = Gauge("mtplxd_batch_depth", "MTP depth rows decode with at this many rows in a batch "
+                                 "(0: plain AR; engine/profiles.py, measured per batch size)", ["rows"], registry=r)
         self.step_tokens = Histogram("mtplxd_step_tokens", "Tokens a generation committed in one engine step",
                                      buckets=(1, 2, 3, 4, 5, 6, 8), registry=r)
         self._tallies: dict[str, list[int]] = {}  # depth -> [drafted, accepted], for the ratio
@@ -85,8 +87,11 @@ class Metrics:
             self.accepted.labels(depth).inc()
             tally[1] += 1
 
-    def render(self, stats: Any) -> bytes:
-        """The Prometheus text exposition, with the queue gauges read now."""
+    def render(self, stats: Any, decoding: dict | None = None) -> bytes:
+        """The Prometheus text exposition, with the queue gauges read now; `decoding`:
+        the runtime's decoding plan (the depth per batch size)."""
+        for rows, depth in ((decoding or {}).get("batched_depth") or {}).items():
+            self.batch_depth.labels(rows).set(depth)
         for name, count in stats.queued_by_class.items():
             self.queue_depth.labels(name).set(count)
         self.active.set(stats.active)

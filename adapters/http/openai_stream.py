@@ -36,7 +36,7 @@ class Run:
         self._released = False
 
     async def events(self) -> AsyncIterator[Any]:
-        async for event in self.ticket:
+        async for event in self.ticket.coalesced():
             if isinstance(event, (Done, Embeddings, Failed)):
                 self.finished = True
             yield event

@@ -179,7 +179,7 @@ class Figures:
     def metrics_text(self) -> str:
         if self.metrics is None:
             return ""
-        return self.metrics.render(self.runtime.stats()).decode()
+        return self.metrics.render(self.runtime.stats(), self.runtime.decoding()).decode()
 
 
 def _as_dict(figures: Any) -> dict[str, Any]:

@@ -104,7 +104,9 @@ class Qwen3_5Backend(Backend):
 
     def replay(self, layer, mixer_input, cache):
         # Same call the forward made, over the kept prefix only, from the restored state.
-        self.text.model.layers[layer].linear_attn(mixer_input, None, cache)
+        # A batch of rows (engine/batch.py) keeps a different prefix per row: the cache's
+        # lengths mask the rest (None for one row).
+        self.text.model.layers[layer].linear_attn(mixer_input, cache.make_mask(mixer_input.shape[1]), cache)
 
 
 def split_weights(weights: dict) -> tuple[dict, dict]:

@@ -110,7 +110,9 @@ class Qwen3NextBackend(Backend):
 
     def replay(self, layer, mixer_input, cache):
         # Same call the forward made, over the kept prefix only, from the restored state.
-        self.trunk.model.layers[layer].linear_attn(mixer_input, None, cache)
+        # A batch of rows (engine/batch.py) keeps a different prefix per row: the cache's
+        # lengths mask the rest (None for one row).
+        self.trunk.model.layers[layer].linear_attn(mixer_input, cache.make_mask(mixer_input.shape[1]), cache)
 
 
 # --- loading helpers, shared with the Qwen3.5 backend -------------------------

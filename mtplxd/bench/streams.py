@@ -8,7 +8,8 @@ through the real HTTP API. Reported per side and N:
 - aggregate tok/s: completion tokens (from `usage`) / wall time of the round;
 - per-stream inter-token latency p50/p95: each stream's decode time / (tokens - 1);
 - time to first token p50/p95;
-and, per side, an editor-sized interactive completion (32 tokens, the interactive
+the MTP depth the daemon decodes with per batch size (its calibration, which the
+run waits for); and, per side, an editor-sized interactive completion (32 tokens, the interactive
 class): its whole latency, request to last token, idle and behind 8 normal streams.
 """
 
@@ -57,6 +58,17 @@ def one_round(base_url: str, streams: int, max_tokens: int) -> tuple[float, list
     return sum(t.completion_tokens for t in timings) / wall, timings
 
 
+def calibrated(base_url: str, timeout_s: float = 600) -> dict[str, int]:
+    """Wait for the daemon's background calibration (it decides the depth per batch
+    size); the depth it chose per batch size."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        decoding = httpx.get(f"{base_url}/health", timeout=30).json().get("decoding") or {}
+        if decoding.get("calibrated") or time.monotonic() > deadline:
+            return decoding.get("batched_depth") or {}
+        time.sleep(0.5)
+
+
 def interactive_latency(base_url: str, background: int, n: int = 12) -> dict[str, float]:
     """p50/p95 ms of 32-token interactive completions, behind `background` normal streams."""
     stop = threading.Event()
@@ -91,8 +103,10 @@ def _figures(streams: int, rates: list[float], timings: list[StreamTiming]) -> S
 def run(model: str | None, counts: list[int], rounds: int, max_tokens: int, as_json: bool) -> int:
     with scratch_daemon(model, SIDES["batched"]) as batched_url, scratch_daemon(model, SIDES["alone"]) as alone_url:
         urls = {"batched": batched_url, "alone": alone_url}
+        depths = {side: calibrated(url) for side, url in urls.items()}
         for url in urls.values():
-            one_round(url, 2, 16)  # warm-up: compile the step functions
+            for n in counts:
+                one_round(url, n, 16)  # warm-up: trace the step functions for each batch size
         rates: dict[tuple[str, int], list[float]] = {}
         timings: dict[tuple[str, int], list[StreamTiming]] = {}
         for r in range(rounds):
@@ -106,7 +120,7 @@ def run(model: str | None, counts: list[int], rounds: int, max_tokens: int, as_j
             idle, loaded = interactive_latency(url, 0), interactive_latency(url, 8)
             latency[side] = {"idle": idle, "behind_8_streams": loaded, "p95_ratio": round(loaded["p95"] / idle["p95"], 2)}
     table = {side: [asdict(_figures(n, rates[side, n], timings[side, n])) for n in counts] for side in SIDES}
-    result = {"table": table, "interactive_ms": latency}
+    result = {"table": table, "interactive_ms": latency, "depth_by_batch_rows": depths["batched"]}
     if as_json:
         print(json.dumps(result, indent=2))
         return 0
@@ -118,6 +132,7 @@ def run(model: str | None, counts: list[int], rounds: int, max_tokens: int, as_j
             ratio = f"{row['tok_s'] / single:.2f}" if single else "-"
             print(f"{side:8} {row['streams']:>7} {row['tok_s']:>8} {ratio:>6} {row['itl_ms']['p50']:>8} "
                   f"{row['itl_ms']['p95']:>8} {row['ttft_ms']['p50']:>9} {row['ttft_ms']['p95']:>9}")
+    print("depth by rows in a batch (0: plain AR):", depths["batched"])
     for side, figures in latency.items():
         print(f"interactive 32-token completion ({side}): idle p50 {figures['idle']['p50']} p95 "
               f"{figures['idle']['p95']} ms; behind 8 streams p50 {figures['behind_8_streams']['p50']} p95 "
