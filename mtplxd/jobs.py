@@ -136,6 +136,7 @@ class TextJob:
     def __init__(self, request: TextRequest, engine: Engine, plan: DecodePlan, seed: int,
                  bank: SessionBank | None = None):
         self.started = time.perf_counter()  # time to first token counts the bank lookup and restore
+        self.queue_wait_s = 0.0  # before that, waiting for a slot (the scheduler tells)
         self.request = request
         self.plan = plan
         depth, mode = plan.depth, plan.mode
@@ -234,6 +235,7 @@ class TextJob:
             time_to_first_token_s=first - self.started,
             decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
             stop_sequence=self.stops.hit if reason == "stop" else None,
+            queue_wait_s=self.queue_wait_s,
         )
 
     def broken(self) -> None:

@@ -122,6 +122,7 @@ class Done:
     time_to_first_token_s: float
     decode_tokens_per_s: float
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
+    queue_wait_s: float = 0.0  # submitted -> its job started (a slot, past admission control)
 
 
 @dataclass(frozen=True)

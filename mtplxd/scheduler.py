@@ -367,6 +367,8 @@ class Scheduler:
         try:
             if entry.job is None:
                 entry.job = self._start(entry.request)
+                if isinstance(entry.job, TextJob):
+                    entry.job.queue_wait_s = time.perf_counter() - entry.submitted
             events = entry.job.step()
         except ValueError as e:
             events = [Failed(str(e), "invalid")]

@@ -313,13 +313,14 @@ def test_metrics_is_prometheus_text(http):
                  "mtplxd_time_to_first_token_seconds", "mtplxd_decode_tokens_per_second",
                  "mtplxd_mtp_drafted_tokens", "mtplxd_mtp_accepted_tokens", "mtplxd_mtp_acceptance_ratio",
                  "mtplxd_cancelled_requests", "mtplxd_model_state", "mtplxd_batch_rows", "mtplxd_step_tokens",
-                 "mtplxd_batch_depth"):
+                 "mtplxd_batch_depth", "mtplxd_queue_wait_seconds"):
         assert name in samples, name
     assert _value(samples, "mtplxd_requests_total", endpoint=CHAT, status="200") >= 1
     assert _value(samples, "mtplxd_requests_total", endpoint=CHAT, status="400") >= 1
     assert {s.labels["class"] for s in samples["mtplxd_queue_depth"]} == {"interactive", "normal", "background"}
     assert _value(samples, "mtplxd_time_to_first_token_seconds_count") >= 1
     assert _value(samples, "mtplxd_decode_tokens_per_second_count") >= 1
+    assert _value(samples, "mtplxd_queue_wait_seconds_count") >= 1
     assert 0 <= _value(samples, "mtplxd_mtp_acceptance_ratio", depth="1") <= 1
     depth = health(http)["decoding"]["batched_depth"]
     assert {rows: _value(samples, "mtplxd_batch_depth", rows=rows) for rows in depth} == depth

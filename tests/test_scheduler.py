@@ -361,3 +361,34 @@ async def test_a_long_prefill_runs_in_chunks_between_the_batchs_steps(engine_):
         # the rows kept streaming while the prompt went in: a batched step before each chunk
         assert len(during) >= 3 * 3
         scheduler.stop()
+
+
+async def test_admission_stops_at_the_cache_bytes_bound(engine_):
+    """Past `max_cache_bytes` of caches held, new requests wait for a running one to end."""
+    longest: dict[int | None, float] = {}
+    for budget, overlapping in ((1, False), (None, True)):
+        scheduler = Scheduler(lambda: engine_, SchedulerLimits(max_cache_bytes=budget))
+        log: list = []
+        waits: list[float] = []
+
+        async def one(name: str) -> None:
+            events = await collect(scheduler.submit(request(40, mode="ar", ignore_eos=True)), log, name)
+            waits.append(events[-1].queue_wait_s)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(scheduler.run)
+            while scheduler.state != "ready":
+                await anyio.sleep(0.01)
+            async with anyio.create_task_group() as clients:
+                for name in ("a", "b", "c"):
+                    clients.start_soon(one, name)
+            scheduler.stop()
+        kinds = [(name, kind) for name, kind in log if kind in ("TextDelta", "Done")]
+        firsts = {name: kinds.index((name, "TextDelta")) for name in "abc"}
+        dones = {name: kinds.index((name, "Done")) for name in "abc"}
+        # one at a time: each starts after the one before it is done
+        one_at_a_time = all(firsts[later] > dones[earlier] for earlier, later in ("ab", "bc"))
+        assert one_at_a_time != overlapping
+        longest[budget] = max(waits)
+    # Done reports the wait: one at a time, the last waited for two whole generations
+    assert longest[1] > 3 * longest[None]

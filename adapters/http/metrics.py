@@ -40,6 +40,8 @@ class Metrics:
         self.state = Enum("mtplxd_model_state", "Model lifecycle state", states=list(STATES), registry=r)
         self.ttft = Histogram("mtplxd_time_to_first_token_seconds", "Submit to first generated token",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.queue_wait = Histogram("mtplxd_queue_wait_seconds", "Submit to a slot (admission control's wait)",
+                                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=r)
         self.decode_rate = Histogram("mtplxd_decode_tokens_per_second", "Decode speed of finished generations",
                                      buckets=(1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 200, 300, 500, 1000),
                                      registry=r)
@@ -74,6 +76,7 @@ class Metrics:
                 self._count_draft(str(i + 1), ok)
         elif isinstance(event, Done):
             self.ttft.observe(event.time_to_first_token_s)
+            self.queue_wait.observe(event.queue_wait_s)
             if event.decode_tokens_per_s > 0:
                 self.decode_rate.observe(event.decode_tokens_per_s)
             self.prompt_tokens.inc(event.usage.prompt_tokens)

@@ -101,29 +101,42 @@ def _figures(streams: int, rates: list[float], timings: list[StreamTiming]) -> S
 
 
 def run(model: str | None, counts: list[int], rounds: int, max_tokens: int, as_json: bool) -> int:
-    with scratch_daemon(model, SIDES["batched"]) as batched_url, scratch_daemon(model, SIDES["alone"]) as alone_url:
-        urls = {"batched": batched_url, "alone": alone_url}
-        depths = {side: calibrated(url) for side, url in urls.items()}
-        for url in urls.values():
-            for n in counts:
-                one_round(url, n, 16)  # warm-up: trace the step functions for each batch size
-        rates: dict[tuple[str, int], list[float]] = {}
-        timings: dict[tuple[str, int], list[StreamTiming]] = {}
-        for r in range(rounds):
-            for n in counts:
-                for side in (("batched", "alone") if r % 2 == 0 else ("alone", "batched")):
-                    rate, times = one_round(urls[side], n, max_tokens)
-                    rates.setdefault((side, n), []).append(rate)
-                    timings.setdefault((side, n), []).extend(times)
-        latency: dict[str, dict[str, Any]] = {}
-        for side, url in urls.items():
-            idle, loaded = interactive_latency(url, 0), interactive_latency(url, 8)
-            latency[side] = {"idle": idle, "behind_8_streams": loaded, "p95_ratio": round(loaded["p95"] / idle["p95"], 2)}
+    # One daemon's background calibration at a time: two measuring at once on a small
+    # machine would time each other's load.
+    with scratch_daemon(model, SIDES["batched"]) as batched_url:
+        batched_depth = calibrated(batched_url)
+        with scratch_daemon(model, SIDES["alone"]) as alone_url:
+            calibrated(alone_url)
+            return _compare({"batched": batched_url, "alone": alone_url}, batched_depth, counts, rounds,
+                            max_tokens, as_json)
+
+
+def _compare(urls: dict[str, str], batched_depth: dict[str, int], counts: list[int], rounds: int, max_tokens: int,
+             as_json: bool) -> int:
+    for url in urls.values():
+        for n in counts:
+            one_round(url, n, 16)  # warm-up: trace the step functions for each batch size
+    rates: dict[tuple[str, int], list[float]] = {}
+    timings: dict[tuple[str, int], list[StreamTiming]] = {}
+    for r in range(rounds):
+        for n in counts:
+            for side in (("batched", "alone") if r % 2 == 0 else ("alone", "batched")):
+                rate, times = one_round(urls[side], n, max_tokens)
+                rates.setdefault((side, n), []).append(rate)
+                timings.setdefault((side, n), []).extend(times)
+    latency: dict[str, dict[str, Any]] = {}
+    for side, url in urls.items():
+        idle, loaded = interactive_latency(url, 0), interactive_latency(url, 8)
+        latency[side] = {"idle": idle, "behind_8_streams": loaded, "p95_ratio": round(loaded["p95"] / idle["p95"], 2)}
     table = {side: [asdict(_figures(n, rates[side, n], timings[side, n])) for n in counts] for side in SIDES}
-    result = {"table": table, "interactive_ms": latency, "depth_by_batch_rows": depths["batched"]}
     if as_json:
-        print(json.dumps(result, indent=2))
-        return 0
+        print(json.dumps({"table": table, "interactive_ms": latency, "depth_by_batch_rows": batched_depth}, indent=2))
+    else:
+        _print(table, latency, batched_depth, counts)
+    return 0
+
+
+def _print(table: dict, latency: dict[str, dict[str, Any]], batched_depth: dict[str, int], counts: list[int]) -> None:
     # x one: against one stream on the batching daemon (alone, it decodes with MTP)
     single = table["batched"][0]["tok_s"] if counts and counts[0] == 1 else None
     print(f"{'side':8} {'streams':>7} {'tok/s':>8} {'x one':>6} {'ITL p50':>8} {'ITL p95':>8} {'TTFT p50':>9} {'TTFT p95':>9}")
@@ -132,9 +145,8 @@ def run(model: str | None, counts: list[int], rounds: int, max_tokens: int, as_j
             ratio = f"{row['tok_s'] / single:.2f}" if single else "-"
             print(f"{side:8} {row['streams']:>7} {row['tok_s']:>8} {ratio:>6} {row['itl_ms']['p50']:>8} "
                   f"{row['itl_ms']['p95']:>8} {row['ttft_ms']['p50']:>9} {row['ttft_ms']['p95']:>9}")
-    print("depth by rows in a batch (0: plain AR):", depths["batched"])
+    print("depth by rows in a batch (0: plain AR):", batched_depth)
     for side, figures in latency.items():
         print(f"interactive 32-token completion ({side}): idle p50 {figures['idle']['p50']} p95 "
               f"{figures['idle']['p95']} ms; behind 8 streams p50 {figures['behind_8_streams']['p50']} p95 "
               f"{figures['behind_8_streams']['p95']} ms (p95 x{figures['p95_ratio']})")
-    return 0
