@@ -18,9 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Literal
 
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest, StepResult
@@ -28,8 +25,7 @@ from engine.profiles import DecodePlan
 from engine.sessions.bank import SessionBank
 from engine.sessions.state import SnapshotMismatch
 from mtplxd.requests import (
-    Done, EmbedRequest, Embeddings, Event, Failed, FinishReason, MTPStats, Priority, TextDelta, TextRequest, Usage,
-    Warmed, WarmRequest,
+    Done, EmbedRequest, Embeddings, Event, FinishReason, MTPStats, TextDelta, TextRequest, Usage, Warmed, WarmRequest,
 )
 
 log = logging.getLogger("mtplxd.jobs")

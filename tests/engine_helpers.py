@@ -94,6 +94,21 @@ def assert_served_greedy_agree(model: Path, prompt: str, ar_text: str, mtp_text:
     assert_greedy_agree(engine_.backend, ids, ar, mtp)
 
 
+def assert_batched_greedy_agree(model: Path, prompt: str, alone_text: str, batched_text: str) -> None:
+    """Greedy completions served alone and in a batch that differ: they must part at a
+    near-tie of the model's own logits (assert_greedy_agree), read from the texts'
+    tokens."""
+    from engine.prompts import completion_prompt_ids
+
+    engine_ = Engine.load(model)
+    ids = completion_prompt_ids(engine_.tokenizer, prompt)
+    encode = lambda text: engine_.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    alone, batched = encode(alone_text), encode(batched_text)
+    n = min(len(alone), len(batched))
+    assert alone[:n] != batched[:n], f"texts differ only in length: {alone_text!r} / {batched_text!r}"
+    assert_greedy_agree(engine_.backend, ids, alone[:n], batched[:n])
+
+
 def cache_arrays(cache) -> list[np.ndarray]:
     """The meaningful contents of one cache: KV up to offset, recurrent arrays."""
     if isinstance(cache, ArraysCache):

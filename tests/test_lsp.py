@@ -253,6 +253,19 @@ async def test_type_ahead_and_settings(lsp_env, folders):
 
 
 @pytest.mark.anyio
+async def test_the_debounce_follows_the_typist(lsp_env, folders):
+    for gap_s, options, expected in ((0.03, None, (20, 100)), (0.3, None, (120, 120)),
+                                     (0.03, {"mtplxd": {"clientDebounces": True}}, (0, 0))):
+        async with lsp(lsp_env, folders["a"], options=options) as (client, _):
+            uri = open_doc(client, folders["a"] / "pace.py", "x = 1\n")
+            for i, ch in enumerate("value = compute(1)"):  # a typist: one edit per gap
+                edit(client, uri, i + 2, 1, i, ch)
+                await asyncio.sleep(gap_s)
+            wait_ms = (await status(client))["debounceMs"]
+            assert expected[0] <= wait_ms <= expected[1], (gap_s, options, wait_ms)
+
+
+@pytest.mark.anyio
 async def test_two_clients_two_workspaces_and_folder_changes(lsp_env, folders):
     async with lsp(lsp_env, folders["a"]) as (one, _), lsp(lsp_env, folders["b"], encodings=["utf-8"]) as (two, init):
         assert init.capabilities.position_encoding == types.PositionEncodingKind.Utf8
@@ -358,6 +371,21 @@ def test_type_ahead_cache():
     cache.put("v", "", "", "a")
     cache.put("w", "", "", "b")
     assert cache.get("u", "x = ", "\n") is None  # evicted
+
+
+def test_typing_rhythm():
+    from adapters.lsp.postprocess import TypingRhythm
+
+    fast, slow, paused, burst = TypingRhythm(), TypingRhythm(), TypingRhythm(), TypingRhythm()
+    for i in range(20):
+        fast.edit(i * 0.06)
+        slow.edit(i * 0.4)
+        paused.edit(i * 2.0)  # every gap a pause: nothing learned
+        burst.edit(i * 0.001)  # faster than anyone types
+    assert fast.wait_ms(120) == 60 and slow.wait_ms(120) == 120 and paused.wait_ms(120) == 120
+    assert burst.wait_ms(120) == 20
+    assert TypingRhythm().wait_ms(120) == 120  # nothing seen yet: the setting
+    assert fast.wait_ms(0) == 0  # the setting stays the ceiling
 
 
 def test_options():

@@ -24,7 +24,7 @@ from engine.engine import load_tokenizer
 from engine.prompts import chat_prompt_ids, fim_prompt_ids, healed_fim_prompt_ids
 from tests.checkpoints import write
 from tests.daemon_fixture import running_daemon
-from tests.engine_helpers import assert_served_greedy_agree
+from tests.engine_helpers import assert_batched_greedy_agree, assert_served_greedy_agree
 from tests.floats import FEW_OPS_ULPS, PATHS_ULPS, assert_close
 
 KEY = "sk-test-key"
@@ -260,7 +260,7 @@ def test_api_key_is_required_except_for_health(daemon):
 # -- load, cancellation, metrics ------------------------------------------------------------
 
 
-def test_sixteen_concurrent_streams(client, http):
+def test_sixteen_concurrent_streams(client, http, checkpoint):
     prompts = [f"item {i}:" for i in range(16)]
 
     def stream(prompt):
@@ -273,7 +273,8 @@ def test_sixteen_concurrent_streams(client, http):
     for prompt, (text, tokens) in zip(prompts, results):
         assert tokens == 16
         alone = client.completions.create(model="mimo", prompt=prompt, max_tokens=16, **GREEDY)
-        assert text == alone.choices[0].text
+        if text != alone.choices[0].text:  # batched matmuls round differently: only a near-tie may part them
+            assert_batched_greedy_agree(checkpoint, prompt, alone.choices[0].text, text)
     samples = metrics(http)  # they decoded in batched steps (engine/batch.py)
     alone_steps = _value(samples, "mtplxd_batch_rows_bucket", le="1.0")
     assert _value(samples, "mtplxd_batch_rows_count") - alone_steps >= 16 * 8

@@ -36,7 +36,8 @@ START_LINE_STEP = 16  # a cut prefix starts on a multiple of up to this many lin
 class Options:
     enable: bool = True
     max_tokens: int = 64  # new tokens per completion
-    debounce_ms: int = 120  # automatic requests wait this long for the next keystroke
+    debounce_ms: int = 120  # automatic requests wait at most this long for the next keystroke
+    client_debounces: bool = False  # the editor waits for a pause itself: no wait here
     context_tokens: int = 1024  # prefix + suffix of the current document
     workspace_context_tokens: int = 512  # other open documents of the same workspace
     time_budget_ms: int = 500  # once spent, a multi-line completion ends at the next line break
@@ -75,7 +76,7 @@ _RANGES = {
 
 
 def _check_option(name: str, value: Any) -> Any:
-    if name == "enable":
+    if name in ("enable", "client_debounces"):
         if not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
         return value

@@ -16,11 +16,12 @@ sees it, these rules decide whether to ask at all and cut what came back:
 `trim` runs on every streamed delta (so generation stops as soon as a rule
 fires); `finalize` runs once on the text that will be shown. `TypeAheadCache`
 answers a request from the last suggestion when the user typed its start.
+`TypingRhythm` learns how long an automatic request waits for the next keystroke.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 MAX_RIGHT_CHARS = 8  # non-space characters right of the cursor that still allow an automatic request
@@ -277,3 +278,36 @@ class TypeAheadCache:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+# -- debounce ----------------------------------------------------------------------------
+
+BURST_GAP_S = 1.0  # a longer gap between two edits is a pause, not the typing pace
+MIN_GAPS = 8  # gaps seen before the learned wait replaces the setting's
+GAP_QUANTILE = 0.75  # wait as long as three keystrokes in four take to follow the last
+MIN_WAIT_MS = 20  # edits faster than typing (a paste, key repeat, a script) still wait this long
+
+
+class TypingRhythm:
+    """The user's pace on one connection: the gaps between their edits while typing.
+
+    An automatic request waits for the next keystroke before it asks the engine (a
+    keystroke would cancel the work). Waiting the time most of this user's keystrokes
+    take to follow the one before serves a fast typist sooner, and never waits longer
+    than the `debounceMs` setting."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.gaps: deque[float] = deque(maxlen=window)
+        self.last: float | None = None
+
+    def edit(self, now: float) -> None:
+        if self.last is not None and now - self.last < BURST_GAP_S:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def wait_ms(self, ceiling_ms: int) -> int:
+        if len(self.gaps) < MIN_GAPS:
+            return ceiling_ms
+        ordered = sorted(self.gaps)
+        quantile = ordered[min(len(ordered) - 1, int(GAP_QUANTILE * len(ordered)))]
+        return min(ceiling_ms, max(MIN_WAIT_MS, round(quantile * 1000)))

@@ -19,8 +19,11 @@ adapters/lsp/postprocess.py, the scheduler job in adapters/lsp/completions.py.
   scheduler ticket (the engine drops the job before its next step) and the reply
   is the LSP cancellation error (-32800). A result computed for an older version
   of the document is never returned (-32801, content modified).
-- Automatic requests wait `debounceMs` first (a superseding keystroke cancels
-  them there, before any engine work); explicitly invoked ones do not.
+- Automatic requests first wait for the next keystroke (a superseding keystroke
+  cancels them there, before any engine work): as long as most of this user's
+  keystrokes take to follow the one before (postprocess.TypingRhythm), at most
+  `debounceMs`; not at all when the client says it waits itself (`clientDebounces`)
+  or for explicitly invoked ones.
 - The last suggestion per document answers a request whose typed text is its start
   (type-ahead), without the engine.
 - Settings: initializationOptions and workspace/didChangeConfiguration (see
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, cast
 from urllib.parse import unquote
@@ -47,7 +51,7 @@ from adapters.lsp.documents import ContextDocument, Options, snapshot, uri_path,
 from adapters.lsp.completions import (
     ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_model, snippet_text,
 )
-from adapters.lsp.postprocess import TypeAheadCache, automatic_allowed, finalize, stop_strings
+from adapters.lsp.postprocess import TypeAheadCache, TypingRhythm, automatic_allowed, finalize, stop_strings
 from engine.sampler_settings import SamplerSettings
 from mtplxd.requests import Priority, TextRequest
 from mtplxd.runtime import Runtime
@@ -89,6 +93,7 @@ class CompletionServer(LanguageServer):
         self.runtime = runtime
         self.options = Options()
         self.cache = TypeAheadCache()
+        self.rhythm = TypingRhythm()
         self.pending: dict[str, _Pending] = {}
         self.stats = ConnectionStats()
         self.closed = False
@@ -168,6 +173,7 @@ class CompletionServer(LanguageServer):
     # -- documents -------------------------------------------------------------------
 
     def _did_change(self, params: types.DidChangeTextDocumentParams) -> None:
+        self.rhythm.edit(time.monotonic())
         self._drop_stale(unquote(params.text_document.uri), params.text_document.version)
 
     def _did_close(self, params: types.DidCloseTextDocumentParams) -> None:
@@ -256,8 +262,9 @@ class CompletionServer(LanguageServer):
         if cached:
             self.stats.cache_hits += 1
             return cached
-        if not explicit and options.debounce_ms:
-            await asyncio.sleep(options.debounce_ms / 1000)
+        wait_ms = 0 if explicit else self._debounce_ms()
+        if wait_ms:
+            await asyncio.sleep(wait_ms / 1000)
         model = await ready_model(self.runtime)
         builder = prompt_builder(model)
         options = fit_options(options, model.context_length)
@@ -283,6 +290,10 @@ class CompletionServer(LanguageServer):
         self.cache.put(key, snap.prefix, snap.suffix, text)
         return text
 
+    def _debounce_ms(self) -> int:
+        """How long an automatic request waits for the next keystroke."""
+        return 0 if self.options.client_debounces else self.rhythm.wait_ms(self.options.debounce_ms)
+
     def _display_path(self, key: str, workspace: str | None) -> str:
         path = uri_path(key) or key
         return os.path.relpath(path, workspace) if workspace else os.path.basename(path)
@@ -305,6 +316,7 @@ class CompletionServer(LanguageServer):
             "connection": asdict(self.stats),
             "pending": len(self.pending),
             "options": self.options.as_json(),
+            "debounceMs": self._debounce_ms(),  # what an automatic request waits now
             "workspaceFolders": sorted(filter(None, (uri_path(f) for f in self.workspace.folders))),
             "scheduler": asdict(self.runtime.stats()),
         }
