@@ -266,6 +266,17 @@ async def test_the_debounce_follows_the_typist(lsp_env, folders):
 
 
 @pytest.mark.anyio
+async def test_the_length_fits_the_place(lsp_env, folders):
+    options = {"mtplxd": {"lineMaxTokens": 3, "maxTokens": 40}}
+    async with lsp(lsp_env, folders["a"], options=options) as (client, _):
+        uri = open_doc(client, folders["a"] / "place.py", "def f(a, b):\n    return a\n")
+        await texts(client, uri, 1, 10)  # mid-line: the text right of the cursor is "a"
+        assert (await status(client))["lastPlace"] == {"mode": "line", "maxTokens": 3}
+        await texts(client, uri, 2, 0)  # an empty line: a block
+        assert (await status(client))["lastPlace"] == {"mode": "block", "maxTokens": 40}
+
+
+@pytest.mark.anyio
 async def test_two_clients_two_workspaces_and_folder_changes(lsp_env, folders):
     async with lsp(lsp_env, folders["a"]) as (one, _), lsp(lsp_env, folders["b"], encodings=["utf-8"]) as (two, init):
         assert init.capabilities.position_encoding == types.PositionEncodingKind.Utf8
@@ -338,6 +349,17 @@ def test_multi_line_stops():
     assert trim("1\nprint(x)\n", inner) == ("1", True)  # back at column 0: left the block
     assert trim("1\n    y", inner) == ("1\n    y", False)  # an unfinished line is not judged yet
     assert finalize("1\n    return x", inner) == "1"  # ... until the end
+
+
+def test_a_completion_cut_by_the_cap_closes_what_it_opened():
+    mid = cursor("    total = ", ")")
+    assert finalize("compute(a, b", mid, capped=True) == "compute"  # the call it opened never closed
+    assert finalize("compute(a, b", mid) == "compute(a, b"  # not capped: as written
+    assert finalize("x[0] + f(1) + g(", mid, capped=True) == "x[0] + f(1) + g"  # the last balanced point
+    block = cursor("def f():", below=("", "def g():"))
+    assert finalize("\n    a = 1\n    b = g(1,\n          2", block, capped=True) == "\n    a = 1"
+    assert finalize("\n    a = [1,\n         2]\n    b = c + d", block, capped=True) == "\n    a = [1,\n         2]"
+    assert finalize("\n    a = 1\n    b = c + d", block) == "\n    a = 1\n    b = c + d"
 
 
 def test_indentation_and_repeats():

@@ -45,8 +45,9 @@ class ConnectionStats:
 
 
 async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budget_ms: int,
-                   stats: ConnectionStats) -> str:
-    """Run one job to its end or to the first stop rule; the ticket is released on every path."""
+                   stats: ConnectionStats) -> tuple[str, bool]:
+    """Run one job to its end or to the first stop rule; the ticket is released on every
+    path. Returns the text, and whether the token cap ended it (`finalize`'s `capped`)."""
     try:
         ticket = runtime.submit(request)
     except (QueueFull, NotReady) as e:
@@ -55,7 +56,7 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget_ms / 1000
     spent_at: int | None = None  # length of the text when the time budget ran out
-    text, ended = "", False
+    text, ended, capped = "", False, False
     try:
         while not ended:
             try:
@@ -70,10 +71,10 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
                     if cut >= 0:
                         text, ended = text[:cut], True
             elif isinstance(event, Done):
-                ended = True
+                ended, capped = True, event.finish_reason == "length"
             elif isinstance(event, Failed):
                 if event.kind == "shutdown":
-                    return ""
+                    return "", False
                 raise RequestFailed(event.message)
     finally:
         ticket.cancel()
@@ -81,7 +82,7 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
             stats.jobs_completed += 1
         else:
             stats.jobs_cancelled += 1
-    return text
+    return text, capped
 
 
 async def ready_model(runtime: Runtime) -> ModelInfo:

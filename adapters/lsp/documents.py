@@ -35,7 +35,8 @@ START_LINE_STEP = 16  # a cut prefix starts on a multiple of up to this many lin
 @dataclass(frozen=True)
 class Options:
     enable: bool = True
-    max_tokens: int = 64  # new tokens per completion
+    max_tokens: int = 64  # new tokens per completion at a line's start or after a block opener (multi-line)
+    line_max_tokens: int = 32  # ... in the middle of a line (to its end)
     debounce_ms: int = 120  # automatic requests wait at most this long for the next keystroke
     client_debounces: bool = False  # the editor waits for a pause itself: no wait here
     context_tokens: int = 1024  # prefix + suffix of the current document
@@ -68,6 +69,7 @@ class Options:
 
 _RANGES = {
     "max_tokens": (1, 2048),
+    "line_max_tokens": (1, 2048),
     "debounce_ms": (0, 5000),
     "context_tokens": (16, 32768),
     "workspace_context_tokens": (0, 32768),

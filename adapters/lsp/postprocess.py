@@ -11,7 +11,9 @@ sees it, these rules decide whether to ask at all and cut what came back:
   existing line, and where an indented block's completion falls back to column 0;
 - indentation: no indent on top of the one the user already typed beyond what the
   previous line calls for; tabs or spaces as the document uses them;
-- drop completions that are empty or only repeat what follows the cursor.
+- drop completions that are empty or only repeat what follows the cursor;
+- cut by the token cap: never leave a bracket the completion opened unclosed, nor
+  (multi-line) a half line.
 
 `trim` runs on every streamed delta (so generation stops as soon as a rule
 fires); `finalize` runs once on the text that will be shown. `TypeAheadCache`
@@ -125,14 +127,49 @@ def suffix_start(text: str, target: str) -> int | None:
 # -- the final shape -------------------------------------------------------------------
 
 
-def finalize(raw: str, cursor: Cursor) -> str:
-    """The completion to show: cut, re-indented, and empty when it adds nothing."""
-    text, _ = trim(raw, cursor, final=True)
+def finalize(raw: str, cursor: Cursor, capped: bool = False) -> str:
+    """The completion to show: cut, re-indented, and empty when it adds nothing.
+    `capped`: generation ended at the token cap, in the middle of whatever it wrote."""
+    text, stopped = trim(raw, cursor, final=True)
+    if capped and not stopped:
+        text = balanced(text, cursor.mid_line)
     text = fix_indentation(text, cursor)
     text = _rstrip_lines(text)
     if not text.strip() or repeats_following(text, cursor):
         return ""
     return text
+
+
+def balanced(text: str, mid_line: bool) -> str:
+    """What a completion cut by the token cap keeps: up to the last point where every
+    bracket it opened is closed; in a multi-line completion, whole lines only (the
+    last, cut one goes). Closers of brackets opened before the cursor do not count."""
+    if not mid_line and "\n" in text:
+        text = text[: text.rfind("\n")]
+        ends = [i for i, c in enumerate(text) if c == "\n"] + [len(text)]
+        whole = [end for end in ends if _depth(text[:end]) == 0]
+        return text[: whole[-1]] if whole else ""
+    depth, keep = 0, 0
+    for i, c in enumerate(text):
+        depth = _step(depth, c)
+        if depth == 0:
+            keep = i + 1
+    return text[:keep]
+
+
+def _step(depth: int, c: str) -> int:
+    if c in OPENERS:
+        return depth + 1
+    if c in CLOSERS:
+        return max(0, depth - 1)
+    return depth
+
+
+def _depth(text: str) -> int:
+    depth = 0
+    for c in text:
+        depth = _step(depth, c)
+    return depth
 
 
 def fix_indentation(text: str, cursor: Cursor) -> str:

@@ -94,6 +94,7 @@ class CompletionServer(LanguageServer):
         self.options = Options()
         self.cache = TypeAheadCache()
         self.rhythm = TypingRhythm()
+        self.last_place: dict[str, Any] | None = None  # the last request's length choice (mtplxd.status)
         self.pending: dict[str, _Pending] = {}
         self.stats = ConnectionStats()
         self.closed = False
@@ -271,18 +272,21 @@ class CompletionServer(LanguageServer):
         workspace = self.workspace_for(key)
         ids, heal = builder.build(snap, options, self._display_path(key, workspace), self._context(key, workspace),
                                   os.path.basename(workspace or ""))
+        # The length fits the place: mid-line to the line's end, else a block.
+        self.last_place = {"mode": "line" if snap.cursor.mid_line else "block",
+                           "maxTokens": options.line_max_tokens if snap.cursor.mid_line else options.max_tokens}
         request = TextRequest(
             prompt_ids=tuple(ids),
             heal=heal,
             continuation=True,
-            max_tokens=options.max_tokens,
+            max_tokens=self.last_place["maxTokens"],
             sampler=SamplerSettings(temperature=options.temperature),
             stop=stop_strings(snap.cursor),
             priority=Priority.INTERACTIVE,
             workspace=workspace,
         )
-        raw = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, self.stats)
-        text = finalize(raw, snap.cursor)
+        raw, capped = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, self.stats)
+        text = finalize(raw, snap.cursor, capped)
         document = self.workspace.text_documents.get(key)
         if document is None or document.version != snap.version:
             self.stats.stale += 1
@@ -317,6 +321,7 @@ class CompletionServer(LanguageServer):
             "pending": len(self.pending),
             "options": self.options.as_json(),
             "debounceMs": self._debounce_ms(),  # what an automatic request waits now
+            "lastPlace": self.last_place,
             "workspaceFolders": sorted(filter(None, (uri_path(f) for f in self.workspace.folders))),
             "scheduler": asdict(self.runtime.stats()),
         }
