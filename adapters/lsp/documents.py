@@ -131,7 +131,23 @@ def snapshot(uri: str, document: Any, line: int, character: int) -> Snapshot:
         content = lines[line].rstrip("\r\n")
         start = sum(len(s) for s in lines[:line])
     column = _column(content, character, document.position_codec)
-    offset = start + column
+    return _at(uri, document.version, document.language_id, lines, line, content, column, start + column)
+
+
+def accepted(snap: Snapshot, text: str) -> Snapshot:
+    """The snapshot after the user accepts `text` at the cursor: the cursor at its end."""
+    prefix = snap.prefix + text
+    lines = tuple((prefix + snap.suffix).splitlines(keepends=True))
+    line = prefix.count("\n")
+    start = prefix.rfind("\n") + 1
+    content = lines[line].rstrip("\r\n") if line < len(lines) else ""
+    return _at(snap.uri, snap.version, snap.language_id, lines, line, content, len(prefix) - start, len(prefix))
+
+
+def _at(uri: str, version: int | None, language_id: str | None, lines: tuple[str, ...], line: int, content: str,
+        column: int, offset: int) -> Snapshot:
+    """The snapshot at `offset` (line `line`, column `column` in code points)."""
+    text = "".join(lines)
     below = tuple(s.rstrip("\r\n") for s in lines[line + 1:line + 9])
     cursor = Cursor(
         line_prefix=content[:column],
@@ -140,8 +156,7 @@ def snapshot(uri: str, document: Any, line: int, character: int) -> Snapshot:
         prev_line=next((s.rstrip("\r\n") for s in reversed(lines[max(0, line - 40):line]) if s.strip()), ""),
         indent_unit=detect_indent_unit(lines),
     )
-    return Snapshot(uri, document.version, document.language_id, text[:offset], text[offset:], lines, line,
-                    column, cursor)
+    return Snapshot(uri, version, language_id, text[:offset], text[offset:], lines, line, column, cursor)
 
 
 def _column(content: str, character: int, codec: Any) -> int:
