@@ -276,6 +276,36 @@ async def test_the_length_fits_the_place(lsp_env, folders):
         assert (await status(client))["lastPlace"] == {"mode": "block", "maxTokens": 40}
 
 
+def _end_of(line: int, character: int, inserted: str) -> tuple[int, int]:
+    """The position after `inserted` typed at (line, character) (ASCII text)."""
+    rows = inserted.split("\n")
+    return line + len(rows) - 1, (character if len(rows) == 1 else 0) + len(rows[-1])
+
+
+@pytest.mark.anyio
+async def test_an_accepted_suggestion_is_followed_by_a_prefetched_one(lsp_env, folders):
+    done = lambda report: report["prefetchJobs"]["jobs_completed"] + report["prefetchJobs"]["jobs_cancelled"] >= 1  # noqa: E731
+    async with lsp(lsp_env, folders["a"]) as (client, _):
+        uri = open_doc(client, folders["a"] / "accept.py", "def add(a, b):\n    ")
+        [shown] = await texts(client, uri, 1, 4)
+        report = await wait_for(client, done, 30)  # computed ahead, at background priority
+        assert report["connection"]["prefetch_started"] == 1 and report["prefetchJobs"]["jobs_completed"] == 1
+        jobs = report["connection"]["jobs_started"]
+        edit(client, uri, 2, 1, 4, shown)  # the user accepts the suggestion whole
+        await texts(client, uri, *_end_of(1, 4, shown), AUTOMATIC)
+        report = await status(client)
+        assert report["connection"]["prefetch_hits"] == 1  # answered from the prefetch ...
+        assert report["connection"]["jobs_started"] == jobs  # ... without a job of its own
+
+        # The next suggestion was prefetched too; a diverging edit drops it.
+        report = await wait_for(client, lambda r: r["connection"]["prefetch_started"] == 2, 30)
+        line, character = _end_of(1, 4, shown)
+        edit(client, uri, 3, line, character, "  # another thought")
+        await texts(client, uri, line, character + len("  # another thought"))
+        report = await status(client)
+        assert report["connection"]["prefetch_hits"] == 1 and report["connection"]["jobs_started"] == jobs + 1
+
+
 @pytest.mark.anyio
 async def test_two_clients_two_workspaces_and_folder_changes(lsp_env, folders):
     async with lsp(lsp_env, folders["a"]) as (one, _), lsp(lsp_env, folders["b"], encodings=["utf-8"]) as (two, init):

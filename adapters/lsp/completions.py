@@ -39,6 +39,8 @@ class ConnectionStats:
     stale: int = 0  # ... whose result was for an older version (dropped)
     skipped: int = 0  # ... not sent to the engine by the line-mode rules or `enable: false`
     cache_hits: int = 0  # ... answered by type-ahead
+    prefetch_started: int = 0  # suggestions computed ahead, for when the one shown is accepted
+    prefetch_hits: int = 0  # ... answered from one
     jobs_started: int = 0  # scheduler jobs submitted
     jobs_cancelled: int = 0  # ... cancelled before their end
     jobs_completed: int = 0  # ... run to their end (or to a stop rule)

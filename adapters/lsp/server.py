@@ -47,7 +47,7 @@ from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
-from adapters.lsp.documents import ContextDocument, Options, snapshot, uri_path, workspace_of
+from adapters.lsp.documents import ContextDocument, Options, accepted, snapshot, uri_path, workspace_of
 from adapters.lsp.completions import (
     ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_model, snippet_text,
 )
@@ -61,6 +61,13 @@ log = logging.getLogger("mtplxd.lsp")
 STATUS_COMMAND = "mtplxd.status"
 TRIGGER_CHARACTERS = [".", "(", "[", "{", ",", ":", "=", " "]
 _EXPECTED = (JsonRpcInvalidParams, JsonRpcContentModified, JsonRpcServerNotInitialized, RequestFailed)
+
+
+@dataclass
+class _Prefetch:
+    prefix: str  # the document around the cursor it was computed for: the text before ...
+    suffix: str  # ... and after
+    task: asyncio.Future
 
 
 @dataclass(eq=False)
@@ -96,6 +103,8 @@ class CompletionServer(LanguageServer):
         self.rhythm = TypingRhythm()
         self.last_place: dict[str, Any] | None = None  # the last request's length choice (mtplxd.status)
         self.pending: dict[str, _Pending] = {}
+        self.prefetches: dict[str, _Prefetch] = {}  # per document: the suggestion after the one shown
+        self.prefetch_jobs = ConnectionStats()  # the prefetches' engine jobs, apart from the requests'
         self.stats = ConnectionStats()
         self.closed = False
         self.snippets = False  # the client expands snippets (set at initialize)
@@ -166,6 +175,8 @@ class CompletionServer(LanguageServer):
         writer, self.protocol.writer = self.protocol.writer, _NullWriter()
         for pending in list(self.pending.values()):
             pending.task.cancel()
+        for key in list(self.prefetches):
+            self._drop_prefetch(key)
         for future in list(self.protocol._request_futures.values()):
             future.cancel()
         if writer is not None:
@@ -180,6 +191,7 @@ class CompletionServer(LanguageServer):
     def _did_close(self, params: types.DidCloseTextDocumentParams) -> None:
         key = unquote(params.text_document.uri)
         self._drop_stale(key, None)
+        self._drop_prefetch(key)
         self.cache.drop(key)
 
     def _drop_stale(self, key: str, version: int | None) -> None:
@@ -263,36 +275,85 @@ class CompletionServer(LanguageServer):
         if cached:
             self.stats.cache_hits += 1
             return cached
-        wait_ms = 0 if explicit else self._debounce_ms()
-        if wait_ms:
-            await asyncio.sleep(wait_ms / 1000)
-        model = await ready_model(self.runtime)
-        builder = prompt_builder(model)
-        options = fit_options(options, model.context_length)
-        workspace = self.workspace_for(key)
-        ids, heal = builder.build(snap, options, self._display_path(key, workspace), self._context(key, workspace),
-                                  os.path.basename(workspace or ""))
-        # The length fits the place: mid-line to the line's end, else a block.
-        self.last_place = {"mode": "line" if snap.cursor.mid_line else "block",
-                           "maxTokens": options.line_max_tokens if snap.cursor.mid_line else options.max_tokens}
-        request = TextRequest(
-            prompt_ids=tuple(ids),
-            heal=heal,
-            continuation=True,
-            max_tokens=self.last_place["maxTokens"],
-            sampler=SamplerSettings(temperature=options.temperature),
-            stop=stop_strings(snap.cursor),
-            priority=Priority.INTERACTIVE,
-            workspace=workspace,
-        )
-        raw, capped = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, self.stats)
-        text = finalize(raw, snap.cursor, capped)
+        text = await self._prefetched(key, snap)
+        if text is not None:
+            self.stats.prefetch_hits += 1
+        else:
+            wait_ms = 0 if explicit else self._debounce_ms()
+            if wait_ms:
+                await asyncio.sleep(wait_ms / 1000)
+            text = await self._complete(key, snap, Priority.INTERACTIVE)
         document = self.workspace.text_documents.get(key)
         if document is None or document.version != snap.version:
             self.stats.stale += 1
             raise JsonRpcContentModified(f"{key} changed (version {snap.version}) while completing")
         self.cache.put(key, snap.prefix, snap.suffix, text)
+        if text:
+            self._prefetch(key, snap, text)
         return text
+
+    async def _complete(self, key: str, snap: Any, priority: Priority) -> str:
+        """One suggestion from the engine."""
+        model = await ready_model(self.runtime)
+        builder = prompt_builder(model)
+        options = fit_options(self.options, model.context_length)
+        workspace = self.workspace_for(key)
+        ids, heal = builder.build(snap, options, self._display_path(key, workspace), self._context(key, workspace),
+                                  os.path.basename(workspace or ""))
+        # The length fits the place: mid-line to the line's end, else a block.
+        max_tokens = options.line_max_tokens if snap.cursor.mid_line else options.max_tokens
+        if priority == Priority.INTERACTIVE:
+            self.last_place = {"mode": "line" if snap.cursor.mid_line else "block", "maxTokens": max_tokens}
+        request = TextRequest(
+            prompt_ids=tuple(ids),
+            heal=heal,
+            continuation=True,
+            max_tokens=max_tokens,
+            sampler=SamplerSettings(temperature=options.temperature),
+            stop=stop_strings(snap.cursor),
+            priority=priority,
+            workspace=workspace,
+        )
+        jobs = self.stats if priority == Priority.INTERACTIVE else self.prefetch_jobs
+        raw, capped = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, jobs)
+        return finalize(raw, snap.cursor, capped)
+
+    # -- prefetch after a suggestion ------------------------------------------------------
+
+    def _prefetch(self, key: str, snap: Any, text: str) -> None:
+        """Compute, at background priority, the suggestion that follows `text` once the user
+        accepts it: the next request at its end is answered at once. The engine's session
+        bank already holds the prompt up to the suggestion's start."""
+        self._drop_prefetch(key)
+        target = accepted(snap, text)
+        task = asyncio.ensure_future(self._complete(key, target, Priority.BACKGROUND))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed prefetch is a miss, not a log
+        self.prefetches[key] = _Prefetch(target.prefix, target.suffix, task)
+        self.stats.prefetch_started += 1
+
+    async def _prefetched(self, key: str, snap: Any) -> str | None:
+        """The prefetched suggestion when the document is exactly where it was computed for
+        (the user accepted the suggestion); otherwise None, and the prefetch is dropped."""
+        prefetch = self.prefetches.pop(key, None)
+        if prefetch is None:
+            return None
+        if (prefetch.prefix, prefetch.suffix) != (snap.prefix, snap.suffix):
+            prefetch.task.cancel()  # the document went elsewhere
+            return None
+        try:
+            return await asyncio.shield(prefetch.task)
+        except asyncio.CancelledError:
+            if prefetch.task.cancelled():
+                return None
+            prefetch.task.cancel()  # this request was cancelled: the user moved on
+            raise
+        except Exception:
+            return None
+
+    def _drop_prefetch(self, key: str) -> None:
+        prefetch = self.prefetches.pop(key, None)
+        if prefetch is not None:
+            prefetch.task.cancel()
 
     def _debounce_ms(self) -> int:
         """How long an automatic request waits for the next keystroke."""
@@ -318,6 +379,7 @@ class CompletionServer(LanguageServer):
         report: dict[str, Any] = {
             "pid": os.getpid(),
             "connection": asdict(self.stats),
+            "prefetchJobs": {k: v for k, v in asdict(self.prefetch_jobs).items() if k.startswith("jobs_")},
             "pending": len(self.pending),
             "options": self.options.as_json(),
             "debounceMs": self._debounce_ms(),  # what an automatic request waits now
