@@ -226,3 +226,14 @@ def workspace_key(value: Any) -> str:
     if not os.path.isabs(value):
         raise ValueError(f"a workspace must be an absolute folder path, got {value!r}")
     return os.path.normpath(value)
+
+
+def file_uri_path(uri: str) -> str | None:
+    """The local path a file:// URI names, in workspace_key's form; None for another
+    scheme or a URI that names no local path."""
+    if not uri.startswith("file:"):
+        return None
+    try:
+        return workspace_key(uri)
+    except ValueError:
+        return None

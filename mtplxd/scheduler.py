@@ -321,8 +321,8 @@ class Scheduler:
 
     def _step_batch(self, batch: DecodeBatch) -> None:
         """One step for every row of the batch; rows that end leave it at once."""
-        entries = sorted((e for e, b in self._batched.items() if b is batch),
-                         key=lambda e: batch.rows.index(_text_job(e).generation))
+        by_row = {id(_text_job(e).generation): e for e, b in self._batched.items() if b is batch}
+        entries = [by_row[id(row)] for row in batch.rows]  # in the batch's row order
         try:
             results = batch.step()
         except Exception as e:  # the batch's caches may be half-updated: end every row

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from adapters.lsp.postprocess import Cursor, detect_indent_unit
 from engine.prompts import Heal, fim_tokens, heal_last_token, leading_special
-from mtplxd.requests import workspace_key
+from mtplxd.requests import file_uri_path
 
 PREFIX_SHARE = 0.7
 START_LINE_STEP = 16  # a cut prefix starts on a multiple of up to this many lines (a quarter of what fits)
@@ -169,24 +169,14 @@ def _column(content: str, character: int, codec: Any) -> int:
     return len(content)
 
 
-def uri_path(uri: str) -> str | None:
-    """The local path a file:// URI names (workspace_key's form); None for other schemes."""
-    if not uri.startswith("file:"):
-        return None
-    try:
-        return workspace_key(uri)
-    except ValueError:
-        return None
-
-
 def workspace_of(uri: str, folders: Iterable[str], root_uri: str | None = None) -> str | None:
     """The innermost workspace folder (else the root) holding the document, as an absolute path."""
-    path = uri_path(uri)
+    path = file_uri_path(uri)
     if path is None:
         return None
     best = None
     for folder_uri in [*folders, *([root_uri] if root_uri else [])]:
-        folder = uri_path(folder_uri)
+        folder = file_uri_path(folder_uri)
         if folder and (path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)):
             if best is None or len(folder) > len(best):
                 best = folder

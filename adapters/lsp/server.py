@@ -47,13 +47,13 @@ from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
-from adapters.lsp.documents import ContextDocument, Options, accepted, snapshot, uri_path, workspace_of
+from adapters.lsp.documents import ContextDocument, Options, accepted, snapshot, workspace_of
 from adapters.lsp.completions import (
     ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_model, snippet_text,
 )
 from adapters.lsp.postprocess import TypeAheadCache, TypingRhythm, automatic_allowed, finalize, stop_strings
 from engine.sampler_settings import SamplerSettings
-from mtplxd.requests import Priority, TextRequest
+from mtplxd.requests import Priority, TextRequest, file_uri_path
 from mtplxd.runtime import Runtime
 
 log = logging.getLogger("mtplxd.lsp")
@@ -153,7 +153,7 @@ class CompletionServer(LanguageServer):
     def _open_folders(self, uris: list[str | None]) -> None:
         """Tell the daemon's registry which folders this editor opened: MCP tools may use them."""
         registry = self.runtime.workspaces  # None: a daemon without one (tests)
-        paths = [uri_path(uri) for uri in uris if uri]
+        paths = [file_uri_path(uri) for uri in uris if uri]
         if registry is None:
             return
         for path in filter(None, paths):
@@ -360,7 +360,7 @@ class CompletionServer(LanguageServer):
         return 0 if self.options.client_debounces else self.rhythm.wait_ms(self.options.debounce_ms)
 
     def _display_path(self, key: str, workspace: str | None) -> str:
-        path = uri_path(key) or key
+        path = file_uri_path(key) or key
         return os.path.relpath(path, workspace) if workspace else os.path.basename(path)
 
     def _context(self, key: str, workspace: str | None) -> list[ContextDocument]:
@@ -384,7 +384,7 @@ class CompletionServer(LanguageServer):
             "options": self.options.as_json(),
             "debounceMs": self._debounce_ms(),  # what an automatic request waits now
             "lastPlace": self.last_place,
-            "workspaceFolders": sorted(filter(None, (uri_path(f) for f in self.workspace.folders))),
+            "workspaceFolders": sorted(filter(None, (file_uri_path(f) for f in self.workspace.folders))),
             "scheduler": asdict(self.runtime.stats()),
         }
         if args and isinstance(args[0], str):

@@ -36,7 +36,7 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from mtplxd.config import Settings
 from mtplxd.runtime import Runtime
-from mtplxd.requests import workspace_key
+from mtplxd.requests import file_uri_path, workspace_key
 
 log = logging.getLogger("mtplxd.mcp")
 
@@ -119,7 +119,7 @@ class WorkspaceGuard:
         session = _session(ctx)
         if listed is None:
             return self._roots.get(session, ()) if session is not None else ()
-        folders = tuple(folder for root in listed.roots if (folder := _root_folder(str(root.uri))))
+        folders = tuple(folder for root in listed.roots if (folder := file_uri_path(str(root.uri))))
         if session is not None:
             self._roots[session] = folders
             self._roots.move_to_end(session)
@@ -172,16 +172,6 @@ def _session(ctx: Context) -> str | None:
     if ctx.protocol_version not in HANDSHAKE_PROTOCOL_VERSIONS:
         return None
     return (ctx.headers or {}).get(SESSION_HEADER)
-
-
-def _root_folder(uri: str) -> str | None:
-    """The folder of a file:// root (other schemes name no folder here)."""
-    if not uri.startswith("file:"):
-        return None
-    try:
-        return workspace_key(uri)
-    except ValueError:
-        return None
 
 
 def _configured_folders(values: Iterable[str]) -> tuple[str, ...]:

@@ -11,13 +11,13 @@ state directory), in one run:
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,21 +87,8 @@ def run_bench(base_url: str, n: int = 20, background_streams: int = 4) -> ServeB
     with httpx.Client(base_url=base_url, timeout=600) as client:
         ttft_series(client, 2)  # warm-up
         idle = ttft_series(client, n)
-        stop = threading.Event()
-
-        def background():
-            with httpx.Client(base_url=base_url, timeout=600) as c:
-                while not stop.is_set():
-                    stream_completion(c, "normal", 256)
-
-        threads = [threading.Thread(target=background, daemon=True) for _ in range(background_streams)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)  # let the normal streams get going
-        loaded = ttft_series(client, n)
-        stop.set()
-        for t in threads:
-            t.join()
+        with busy_streams(base_url, background_streams):
+            loaded = ttft_series(client, n)
         alone = stream_completion(client, "normal", 256)
     http_tok_s = (alone.completion_tokens - 1) / alone.decode_s if alone.decode_s else 0.0
     engine_tok_s = alone.engine_decode_tok_s
@@ -117,17 +104,41 @@ def run_bench(base_url: str, n: int = 20, background_streams: int = 4) -> ServeB
 
 
 @contextmanager
-def scratch_daemon(model: str | None, settings: dict[str, str] | None = None):
-    """A daemon started as users start it, on a scratch state directory; `settings`:
-    more of its settings, as the environment gives them (`{"batch_rows": "1"}`)."""
+def busy_streams(base_url: str, count: int) -> Iterator[None]:
+    """`count` normal-priority streams of 256 tokens, one after another each, until the
+    block ends (after a second to get going)."""
+    stop = threading.Event()
+
+    def stream() -> None:
+        with httpx.Client(base_url=base_url, timeout=600) as client:
+            while not stop.is_set():
+                stream_completion(client, "normal", 256)
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0 if count else 0.0)
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+@contextmanager
+def scratch_daemon(model: str | None, settings: dict[str, int] | None = None):
+    """A daemon started as users start it, on a scratch state directory, with more
+    `settings` in its config file (`{"batch_rows": 1}`)."""
     from mtplxd.client import read_address
 
-    env = {**os.environ, **{f"MTPLXD_{k.upper()}": v for k, v in (settings or {}).items()}}
     with tempfile.TemporaryDirectory() as state:
+        lines = [f"{key} = {value}" for key, value in (settings or {}).items()]
+        (Path(state) / "config.toml").write_text("\n".join(lines) + "\n")
         cmd = [sys.executable, "-m", "mtplxd", "start", "--detach", "--port", "0", "--state-dir", state]
         if model:
             cmd += ["--model", model]
-        subprocess.run(cmd, check=True, env=env)
+        subprocess.run(cmd, check=True)
         try:
             address = read_address(Path(state))
             if address is None:  # `start --detach` returned: the daemon should be listening

@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
-from mtplxd.bench.serve import StreamTiming, percentiles, scratch_daemon, stream_completion
+from mtplxd.bench.serve import StreamTiming, busy_streams, percentiles, scratch_daemon, stream_completion
 
-SIDES = {"batched": {}, "alone": {"batch_rows": "1"}}
+SIDES: dict[str, dict[str, int]] = {"batched": {}, "alone": {"batch_rows": 1}}
 
 
 @dataclass
@@ -71,26 +71,12 @@ def calibrated(base_url: str, timeout_s: float = 600) -> dict[str, int]:
 
 def interactive_latency(base_url: str, background: int, n: int = 12) -> dict[str, float]:
     """p50/p95 ms of 32-token interactive completions, behind `background` normal streams."""
-    stop = threading.Event()
-
-    def busy() -> None:
-        with httpx.Client(base_url=base_url, timeout=600) as client:
-            while not stop.is_set():
-                stream_completion(client, "normal", 256)
-
-    threads = [threading.Thread(target=busy, daemon=True) for _ in range(background)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0 if background else 0.0)  # let the streams get going
-    with httpx.Client(base_url=base_url, timeout=600) as client:
+    with busy_streams(base_url, background), httpx.Client(base_url=base_url, timeout=600) as client:
         stream_completion(client, "interactive", 32)
         latencies = []
         for _ in range(n):
             timing = stream_completion(client, "interactive", 32)
             latencies.append((timing.ttft_s + timing.decode_s) * 1000)
-    stop.set()
-    for t in threads:
-        t.join()
     return percentiles(latencies)
 
 
