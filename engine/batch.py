@@ -150,10 +150,11 @@ class DecodeBatch:
             self._cache, self._heads, self._pending, self._offsets, self._keys = [], [], [], [], None
             return
         keep = [j for j in range(len(self.rows) + 1) if j != i]
-        self._keys = self._keys[mx.array(keep)]
+        index = mx.array(keep)
+        self._keys = self._keys[index]
         for c in [*self._cache, *self._heads]:
-            c.filter(mx.array(keep))
-        self._pending = [_Ragged(p.values[mx.array(keep)], [p.counts[j] for j in keep]) for p in self._pending]
+            c.filter(index)
+        self._pending = [_Ragged(p.values[index], [p.counts[j] for j in keep]) for p in self._pending]
         for offsets in self._offsets:
             offsets.pop(i)
 
