@@ -25,6 +25,9 @@ BACKEND_MODULES = {
     "qwen3_next": "engine.backends.qwen3_next",
     "qwen3_5": "engine.backends.qwen3_5",
     "qwen3_5_moe": "engine.backends.qwen3_5_moe",
+    "mimo_v2_flash": "engine.backends.mimo_v2_flash",
+    "step3p5": "engine.backends.step3p5",
+    "glm_moe_dsa": "engine.backends.glm_moe_dsa",
 }
 
 

@@ -75,7 +75,7 @@ def test_descriptors():
         assert d.family in d.model_types and d.head_count_fields and d.head_key_patterns
         assert all("{i}" in p or "{n+i}" in p for p in d.head_key_patterns)
         assert 1 <= d.depth_range[0] <= d.depth_range[1]
-        assert d.norm_shift == d.family.startswith("qwen")
+        assert d.norm_shift == (d.family.startswith("qwen") or d.family == "step3p5")  # zero-centred norms
         assert 0 < d.sampler_defaults.temperature and 0 < d.sampler_defaults.top_p <= 1
     assert DESCRIPTORS["qwen3_5"].model_types == ("qwen3_5", "qwen3_5_text")
     assert DESCRIPTORS["qwen3_5_moe"].model_types == ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -117,6 +117,30 @@ def test_real_checkpoint_writers(tmp_path, family, heads, sidecar):
     assert (report.family, report.status, report.mtp_heads) == (family, "supported", heads), report.reason
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_real_checkpoint_with_its_heads_removed(tmp_path, family):
+    """The writer's checkpoint with every MTP tensor taken out (the config still says
+    what it said): AR only, and the reason names where the heads were looked for."""
+    from safetensors.numpy import load_file, save_file
+
+    from engine.backends.descriptors import head_key_predicate
+    from engine.checkpoint import read_config, text_config
+
+    real_writer(family)
+    folder = write(family, tmp_path / family, mtp_heads=2)
+    before = inspect_checkpoint(folder)
+    is_head = head_key_predicate(before.descriptor, text_config(read_config(folder))["num_hidden_layers"])
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    kept = {k: v for k, v in tensors.items() if not is_head(k)}
+    assert len(kept) < len(tensors)
+    save_file(kept, str(path), metadata={"format": "pt"})
+    report = inspect_checkpoint(folder)
+    assert (report.family, report.status, report.mtp_heads, report.depth_max) == (family, "ar-only", 0, 0)
+    assert "no MTP head weights found" in report.reason
+    assert report.descriptor.backend_module == PLAIN_BACKEND
+
+
 # --- no head, partial head, unknown model -----------------------------------------------
 
 @pytest.mark.parametrize("family, looked_for", [
@@ -126,6 +150,8 @@ def test_real_checkpoint_writers(tmp_path, family, heads, sidecar):
     ("qwen3_next", "mtp."),
     ("qwen3_5", "model.language_model.mtp."),
     ("qwen3_5_moe", "language_model.mtp."),
+    ("step3p5", "model.layers.{2+i}."),
+    ("glm_moe_dsa", "model.layers.{2+i}."),
 ])
 def test_config_names_heads_weights_lack_them(tmp_path, family, looked_for):
     report = inspect_checkpoint(write_layout(family, tmp_path, mtp_heads=0, config_heads=1))
@@ -142,12 +168,37 @@ def test_config_names_heads_weights_lack_them(tmp_path, family, looked_for):
     ("qwen3_5", ("mtp.layers.",), "mtp.layers.{i}."),
     ("qwen3_5_moe", ("mtp.layers.1.self_attn",), "mtp.layers.1.self_attn."),
     ("mimo", ("mtp_layers.0.",), "MTP head 0 is missing"),
+    ("mimo_v2_flash", ("mtp.layers.1.pre_mlp_layernorm",), "model.mtp.layers.1.pre_mlp_layernorm.weight"),
+    ("mimo_v2_flash", ("mtp.layers.0.",), "MTP head 0 is missing"),
+    ("step3p5", ("layers.3.transformer.shared_head.norm",), "model.layers.3.transformer.shared_head.norm.weight"),
+    ("glm_moe_dsa", ("layers.2.self_attn.",), "model.layers.2.self_attn."),
 ])
 def test_partial_head_is_unsupported(tmp_path, family, drop, missing):
     folder = write_layout(family, tmp_path, mtp_heads=2, drop=drop)
     report = inspect_checkpoint(folder)
     assert (report.family, report.status, report.depth_max) == (family, "unsupported", 0)
     assert missing in report.reason and report.descriptor is None
+
+
+def test_mimo_v2_flash_without_heads_is_ar_only(tmp_path):
+    # Its released config.json names no MTP count: without the weights, nothing to go by.
+    report = inspect_checkpoint(write_layout("mimo_v2_flash", tmp_path, mtp_heads=0))
+    assert (report.family, report.status, report.mtp_heads, report.depth_max) == ("mimo_v2_flash", "ar-only", 0, 0)
+    assert "model.mtp.layers.{i}." in report.reason and report.descriptor.backend_module == PLAIN_BACKEND
+
+
+@pytest.mark.parametrize("family", ["mimo_v2_flash", "step3p5", "glm_moe_dsa"])
+def test_heads_without_a_buildable_trunk_are_unsupported(tmp_path, family, monkeypatch):
+    """An mlx-lm too old to build the trunk: the heads are there, but nothing would run
+    them; the report says so rather than promising MTP (or silently running AR)."""
+    import engine.backends.descriptors as descriptors
+
+    folder = write_layout(family, tmp_path, mtp_heads=2)
+    assert inspect_checkpoint(folder).status == "supported"
+    monkeypatch.setattr(descriptors, "mlx_lm_can_build", lambda model_type: model_type != family)
+    report = inspect_checkpoint(folder)
+    assert (report.family, report.status, report.depth_max, report.descriptor) == (family, "unsupported", 0, None)
+    assert f"no mlx_lm.models.{family}" in report.reason and "2 MTP head(s)" in report.reason
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "mistral"])

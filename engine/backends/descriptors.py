@@ -87,6 +87,19 @@ DESCRIPTORS: dict[str, BackendDescriptor] = {
         ),
         _nextn("deepseek_v3", SamplerDefaults(0.6, 0.95)),
         _nextn("glm4_moe", SamplerDefaults(0.6, 0.95)),
+        _nextn("glm_moe_dsa", SamplerDefaults(1.0, 0.95)),
+        BackendDescriptor(
+            "mimo_v2_flash", ("mimo_v2_flash",), "engine.backends.mimo_v2_flash", (_NEXTN,),
+            ("model.mtp.layers.{i}.",),
+            ("enorm.weight", "hnorm.weight", "eh_proj.weight", "input_layernorm.weight", "self_attn.",
+             "pre_mlp_layernorm.weight", "mlp.", "final_layernorm.weight"),
+            sampler_defaults=SamplerDefaults(0.8, 0.95),
+        ),
+        BackendDescriptor(
+            "step3p5", ("step3p5",), "engine.backends.step3p5", (_NEXTN,), ("model.layers.{n+i}.",),
+            ("enorm.weight", "hnorm.weight", "eh_proj.weight", "transformer.shared_head.norm.weight", *_BLOCK),
+            sampler_defaults=SamplerDefaults(1.0, 0.95), norm_shift=True,
+        ),
         _qwen("qwen3_next", ("qwen3_next",), SamplerDefaults(0.7, 0.8, 20)),
         _qwen("qwen3_5", ("qwen3_5", "qwen3_5_text"), SamplerDefaults(0.6, 0.95, 20)),
         _qwen("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), SamplerDefaults(0.6, 0.95, 20)),
@@ -271,6 +284,11 @@ def _with_family(d: BackendDescriptor, config: dict[str, Any], keys: Collection[
     if problem:
         return InspectReport(d.family, len(found.parts), 0, "unsupported", problem, examples)
     n_heads = len(found.parts)
+    built = mlx_model_type(config)
+    if not mlx_lm_can_build(built):
+        why = (f"{n_heads} MTP head(s) at {found.pattern}*, but the installed mlx-lm cannot build the "
+               f"{config['model_type']!r} trunk (no mlx_lm.models.{built}); a newer mlx-lm may")
+        return InspectReport(d.family, n_heads, 0, "unsupported", why, examples)
     depth_max = max(d.depth_range[1], n_heads)
     reason = f"{n_heads} MTP head(s) at {found.pattern}*; drafts up to depth {depth_max}"
     if count and count[1] != n_heads:

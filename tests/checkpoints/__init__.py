@@ -16,6 +16,9 @@ FAMILIES = {
     "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
+    "mimo_v2_flash": "mimo_v2_flash",
+    "step3p5": "step3p5",
+    "glm_moe_dsa": "glm_moe_dsa",
 }
 
 

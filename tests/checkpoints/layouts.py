@@ -18,9 +18,10 @@ from safetensors.numpy import save_file
 
 SAME = "same"  # config_heads: write the MTP count field with mtp_heads
 N_LAYERS = {"mimo": 2, "deepseek_v3": 2, "glm4_moe": 2, "qwen3_next": 4, "qwen3_5": 4,
-            "qwen3_5_moe": 4, "qwen2": 2, "llama": 2, "mistral": 2, "frobnicator": 2}
+            "qwen3_5_moe": 4, "mimo_v2_flash": 2, "step3p5": 2, "glm_moe_dsa": 2,
+            "qwen2": 2, "llama": 2, "mistral": 2, "frobnicator": 2}
 LAYOUTS = tuple(N_LAYERS)
-MTP_FAMILIES = LAYOUTS[:6]
+MTP_FAMILIES = LAYOUTS[:9]
 _BASE = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
          "num_key_value_heads": 1, "vocab_size": 48, "rms_norm_eps": 1e-6,
          "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": False}
@@ -113,6 +114,68 @@ def _nextn(family: str, n: int, heads: int, root: str):
     return config, trunk, mtp, "num_nextn_predict_layers"
 
 
+def _mimo_v2_flash(n: int, heads: int, root: str):
+    # The released config names no MTP count: the weights tell.
+    config = {"architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash",
+              "hybrid_layer_pattern": [0] + [1] * (n - 1), "moe_layer_freq": [0] + [1] * (n - 1),
+              "n_routed_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8,
+              "sliding_window_size": 4, "add_swa_attention_sink_bias": True}
+
+    def layer(p: str, i: int) -> list[str]:
+        sink = [p + "self_attn.attention_sink_bias"] if i else []
+        mlp = [p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias"] + [
+            k for e in range(2) for k in _proj(f"{p}mlp.experts.{e}.", "gate up down")] if i else _mlp(p)
+        return _block(p, _mha(p) + sink, mlp)
+
+    trunk = _trunk("model.", n, layer)
+    mtp = []
+    for i in range(heads):
+        p = f"model.mtp.layers.{i}."
+        mtp += _mha(p) + [p + "self_attn.attention_sink_bias"] + _mlp(p) + [
+            f"{p}{x}.weight" for x in ("enorm", "hnorm", "eh_proj", "input_layernorm", "pre_mlp_layernorm",
+                                        "final_layernorm")]
+    return config, trunk, mtp, None
+
+
+def _step3p5(n: int, heads: int, root: str):
+    types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n + max(heads, 1))]
+    config = {"architectures": ["Step3p5ForCausalLM"], "model_type": "step3p5", "num_attention_groups": 1,
+              "layer_types": types, "moe_layers_enum": ",".join(map(str, range(1, n))), "moe_num_experts": 2,
+              "moe_top_k": 1, "moe_intermediate_size": 8, "share_expert_dim": 8}
+
+    def layer(p: str, i: int) -> list[str]:
+        attn = _mha(p, qk_norm=True) + [p + "self_attn.g_proj.weight"]
+        moe = [p + "moe.gate.weight", p + "moe.router_bias"] + _proj(p + "moe.", "gate up down") + _proj(
+            p + "share_expert.", "gate up down")
+        return _block(p, attn, moe if 0 < i < n else _mlp(p))
+
+    trunk = _trunk("model.", n, layer)
+    mtp = [k for i in range(n, n + heads) for k in layer(f"model.layers.{i}.", i) + [
+        f"model.layers.{i}.{x}.weight" for x in (
+            "enorm", "hnorm", "eh_proj", "transformer.shared_head.norm", "transformer.shared_head.output")]]
+    return config, trunk, mtp, "num_nextn_predict_layers"
+
+
+def _glm_moe_dsa(n: int, heads: int, root: str):
+    config = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "n_routed_experts": 2,
+              "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 8,
+              "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 4, "kv_lora_rank": 4,
+              "qk_rope_head_dim": 2, "qk_nope_head_dim": 2, "v_head_dim": 4, "index_n_heads": 2,
+              "index_head_dim": 4, "index_topk": 2048, "rope_parameters": {"rope_theta": 10000.0,
+                                                                         "rope_type": "default"}}
+
+    def layer(p: str, i: int) -> list[str]:
+        indexer = [f"{p}self_attn.indexer.{x}" for x in (
+            "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")]
+        return _block(p, _mla(p) + indexer, _mlp(p) if i == 0 else _nextn_moe(p))
+
+    trunk = _trunk("model.", n, layer)
+    # No copies of the embedding or output head in GLM-5's MTP layer.
+    mtp = [k for i in range(n, n + heads) for k in layer(f"model.layers.{i}.", i) + [
+        f"model.layers.{i}.{x}.weight" for x in ("enorm", "hnorm", "eh_proj", "shared_head.norm")]]
+    return config, trunk, mtp, "num_nextn_predict_layers"
+
+
 def _qwen(family: str, n: int, heads: int, root: str):
     qwen3_5 = family != "qwen3_next"
     moe = family != "qwen3_5"
@@ -155,6 +218,12 @@ def _family(family: str, n: int, heads: int, root: str):
         return _mimo(n, heads, root)
     if family in ("deepseek_v3", "glm4_moe"):
         return _nextn(family, n, heads, root)
+    if family == "mimo_v2_flash":
+        return _mimo_v2_flash(n, heads, root)
+    if family == "step3p5":
+        return _step3p5(n, heads, root)
+    if family == "glm_moe_dsa":
+        return _glm_moe_dsa(n, heads, root)
     if family.startswith("qwen3_") and family in MTP_FAMILIES:
         return _qwen(family, n, heads, root)
     return _plain(family, n, heads, root)
