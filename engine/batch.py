@@ -99,6 +99,8 @@ class DecodeBatch:
         self._pending: list[_Ragged] = []  # per head: hidden-ins not consumed yet (Generation._HeadState)
         self._offsets: list[list[int]] = []  # per head, per row: real entries in its cache
         self._keys: mx.array | None = None  # [B, 2]: each row's random key (Generation._key) while in the batch
+        self._ranks = backend.ranks  # several ranks: rank 0's draws and verdicts (engine/distributed.py)
+        self._decide = backend.ranks.decide
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -180,9 +182,9 @@ class DecodeBatch:
         last = logits[:, -1]
         keys, groups = self._next_keys(), _groups(self.rows)
         drawn, _, checks = _draw_rows(groups, last, keys, exact=False)
-        mx.eval(drawn, checks)
-        if not all(check.item() for check in checks):  # a top-p cut beyond the shortcut: same keys, exactly
-            drawn, _, _ = _draw_rows(groups, last, keys, exact=True)
+        (drawn,) = self._decide(drawn)
+        if not self._ranks.held(checks, [drawn]):  # a top-p cut beyond the shortcut: same keys, exactly
+            (drawn,) = self._decide(_draw_rows(groups, last, keys, exact=True)[0])
         split, hosts = row_logits(last), self._host_rows(last)
         return [row.commit_drawn(token, split[i], None if hidden is None else hidden[i : i + 1], hosts[i])
                 for i, (row, token) in enumerate(zip(self.rows, drawn.tolist()))]
@@ -215,9 +217,9 @@ class DecodeBatch:
         window = mx.concatenate([mx.array([[row.tokens[-1]] for row in rows]), drafts], axis=1)
         tape = Tape(length=K + 1)
         logits, hidden = self.backend.forward(window, self._cache, tape)
-        n_accepted, next_tokens = _verify_groups(groups, logits, q, drafts, self._next_keys(), exact, checks)
-        mx.eval(n_accepted, next_tokens, checks, drafts)
-        if not all(check.item() for check in checks):
+        n_accepted, next_tokens = self._decide(*_verify_groups(groups, logits, q, drafts, self._next_keys(), exact,
+                                                               checks))
+        if not self._ranks.held(checks, [n_accepted, next_tokens, drafts]):
             self._undo(tape, lengths)
             self._keys = keys
             return None
@@ -268,7 +270,7 @@ class DecodeBatch:
     def _add_drafts(self, logits: mx.array, groups: list[_Group], drafts: list, q: list, exact: bool,
                     checks: list) -> None:
         tokens, probs, group_checks = _draw_rows(groups, logits, self._next_keys(), exact)
-        drafts.append(tokens)
+        drafts.append(self._decide(tokens)[0])
         q.append(probs)
         checks += group_checks
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.backends.base import Backend
+from engine.backends.base import Backend, lazy_loading
+from engine.distributed import shard
 from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
 from engine.checkpoint import CheckpointError, load_weights, read_config, text_config
 from engine.generation import Generation, GenerationRequest
@@ -32,8 +34,12 @@ class Engine:
     tokenizer: Any  # an mlx-lm TokenizerWrapper
     context_length: int
 
+    sharding: str = "not sharded (one rank)"  # several ranks: how the model is split (engine/distributed.py)
+
     @classmethod
-    def load(cls, path: str | Path, dtype: mx.Dtype | None = None) -> Engine:
+    def load(cls, path: str | Path, dtype: mx.Dtype | None = None, group: Any = None) -> Engine:
+        """`group`: an mx.distributed group of several ranks to split the model over;
+        its weights then stay lazy until each rank has taken its slice."""
         folder = Path(path).expanduser().resolve()
         report = inspect_checkpoint(folder)
         if report.status == "unsupported":
@@ -45,11 +51,16 @@ class Engine:
         module_name = report.descriptor.backend_module if report.descriptor else "engine.backends.plain"
         module = importlib.import_module(module_name)
         config = read_config(folder)
-        backend = module.load(folder, config, weights)
+        several = group is not None and group.size() > 1
+        with lazy_loading() if several else contextlib.nullcontext():
+            backend = module.load(folder, config, weights)
+        sharding = shard(backend, group) if several else cls.sharding
         if target is not None and quantization(config) is not None:
             _dequantize(backend.trunk)
         context = int(text_config(config).get("max_position_embeddings") or 4096)
-        return cls(folder, backend, report.descriptor, load_tokenizer(folder), context)
+        engine = cls(folder, backend, report.descriptor, load_tokenizer(folder), context)
+        engine.sharding = sharding
+        return engine
 
     def open(self, request: GenerationRequest, restore: Restore | None = None, record: bool = False) -> Generation:
         """`restore`: start from a session-bank snapshot; `record`: keep what `snapshot()` needs."""

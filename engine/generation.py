@@ -293,10 +293,11 @@ class Generation:
                 key: mx.array) -> tuple[mx.array, mx.array]:
         """The exact rule on the verify window's logits [1, K+1, V]; greedy decoding
         needs no distributions: it is the same rule on one-hot p and q."""
+        decide = self.backend.ranks.decide
         if self.request.sampler.greedy:
-            return verify_greedy(logits, drafts[None])
+            return decide(*verify_greedy(logits, drafts[None]))
         p = self._probs(logits[0], exact)[None]
-        return compiled_verify(p, mx.stack(q, axis=1), drafts[None], key)
+        return decide(*compiled_verify(p, mx.stack(q, axis=1), drafts[None], key))
 
     def _trim_heads(self, T: int, m: int, offsets: list[int], head_inputs: list[mx.array]) -> None:
         """Keep only real head-cache entries; carry unconsumed real hidden-ins."""
@@ -439,8 +440,7 @@ class Generation:
     def _covered(self, *results: mx.array) -> bool:
         """Evaluate results with the pending top-p checks; whether all held."""
         checks, self._checks = self._checks, []
-        mx.eval(*results, *checks)
-        return all(check.item() for check in checks)
+        return self.backend.ranks.held(checks, list(results))
 
     def _draw_token(self, logits: mx.array) -> int:
         """One token from logits [1, V], on the host; the first one among
@@ -458,11 +458,13 @@ class Generation:
     def _draw(self, logits: mx.array, key: mx.array, exact: bool) -> tuple[mx.array, mx.array | None]:
         """A token (int32 [1]) from the filtered distribution of logits [1, V], and that
         distribution; None when greedy, where the argmax is the one-hot's only token.
-        A key is used either way, so greedy and sampled runs split keys alike."""
+        A key is used either way, so greedy and sampled runs split keys alike. On
+        several ranks, rank 0's draw is everyone's (engine/distributed.py)."""
+        decide = self.backend.ranks.decide
         if self.request.sampler.greedy:
-            return mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32), None
+            return decide(mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32))[0], None
         probs = self._probs(logits, exact)
-        return (compiled_sample if self.request.compiled else sample)(probs, key), probs
+        return decide((compiled_sample if self.request.compiled else sample)(probs, key))[0], probs
 
     def _next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)

@@ -63,6 +63,8 @@ _SETTING_FLAGS: dict[str, dict[str, Any]] = {
     "--depth": dict(metavar="K", type=int, help="force a speculative depth (default: the profile's measured choice)"),
     "--api-key": dict(metavar="KEY", help="require this bearer token from clients"),
     "--log-level": dict(metavar="LEVEL", help="debug, info, warning, error (default info)"),
+    "--ranks": dict(metavar="N", type=int, help="split the model over N processes on this machine "
+                    "(mx.distributed ring backend on loopback; default 1)"),
 }
 
 
@@ -80,13 +82,16 @@ def _dest(flag: str) -> str:
 
 def _start(args: argparse.Namespace) -> int:
     from mtplxd import client
-    from mtplxd.config import ConfigError, load_settings
+    from mtplxd.config import ConfigError, launched_rank, load_settings
 
     try:
         settings = load_settings({_dest(f): getattr(args, _dest(f)) for f in _SETTING_FLAGS}, args.config)
+        rank = launched_rank()
     except ConfigError as e:
         print(f"mtplxd: {e}", file=sys.stderr)
         return 2
+    if rank is not None:  # mlx.launch started this process: rank 0 serves, the others follow
+        return _launched(settings, rank)
     running = client.owner_pid(settings.state_dir)
     if running is not None:  # refuse before the slow imports; the daemon's lock decides races
         where = client.daemon_url(settings.state_dir) or "(still starting)"
@@ -98,6 +103,51 @@ def _start(args: argparse.Namespace) -> int:
     from mtplxd import daemon
 
     return daemon.run(settings, log_to_stderr=not args.no_stderr_log)
+
+
+def _launched(settings: Any, rank: int) -> int:
+    from mtplxd.ranks.world import World
+
+    world = World(rank, 0, "any")  # mlx.launch set what mx.distributed.init reads
+    if rank > 0:
+        return _follow_as(world, settings.state_dir, settings.log_level)
+    if settings.ranks > 1:
+        print("mtplxd: --ranks starts ranks on this machine; under mlx.launch the launcher starts them",
+              file=sys.stderr)
+        return 2
+    from mtplxd import daemon
+
+    return daemon.run(settings, world=world)
+
+
+def _follow_args(p: argparse.ArgumentParser) -> None:
+    _state_dir_args(p)
+    p.add_argument("--log-level", default="info", help="debug, info, warning, error (default info)")
+
+
+def _follow(args: argparse.Namespace) -> int:
+    from mtplxd.config import ConfigError, launched_rank, resolve_state_dir
+    from mtplxd.ranks.world import World
+
+    try:
+        rank = launched_rank()
+    except ConfigError as e:
+        print(f"mtplxd: {e}", file=sys.stderr)
+        return 2
+    if not rank:
+        print("mtplxd: follow runs as a rank above 0 (MLX_RANK), started by `mtplxd start --ranks N` "
+              "or mlx.launch", file=sys.stderr)
+        return 2
+    return _follow_as(World(rank, 0, "any"), resolve_state_dir(args.state_dir), args.log_level)
+
+
+def _follow_as(world: Any, state_dir: Any, level: str) -> int:
+    import logging
+
+    from mtplxd.ranks.follower import follow
+
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s rank{world.rank} %(name)s %(levelname)s %(message)s")
+    return follow(world, state_dir)
 
 
 def _start_detached(args: argparse.Namespace, settings) -> int:
@@ -206,6 +256,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    help="time interactive completions alone and behind 4 normal streams, over HTTP")
     p.add_argument("--streams", metavar="N,N",
                    help="aggregate tok/s and latencies at N concurrent streams, batching on and off (e.g. 1,4,8)")
+    p.add_argument("--ranks", metavar="N,N",
+                   help="decode tok/s and MTP/AR per world size, the model split over N processes here (e.g. 1,2)")
     p.add_argument("--sessions", action="store_true",
                    help="time to first token of a ~2,000-token prompt: cold, warm from RAM, warm from disk "
                         "after a restart, and an 8-turn chat (the session bank)")
@@ -244,6 +296,12 @@ def _bench(args: argparse.Namespace) -> int:
 
         counts = [int(n) for n in args.streams.split(",") if n.strip()]
         return bench_streams.run(args.model, counts, args.rounds, args.max_tokens, as_json)
+    if args.ranks:
+        from mtplxd.bench import ranks as bench_ranks
+
+        sizes = [int(n) for n in args.ranks.split(",") if n.strip()]
+        depth = int(args.depths.split(",")[-1]) if args.depths else 2
+        return bench_ranks.run(args.model, sizes, args.rounds, args.max_tokens, depth, as_json)
     if args.serve:
         from mtplxd.bench import serve as bench_serve
 
@@ -321,6 +379,11 @@ COMMANDS: dict[str, Command] = {
         "start the daemon (foreground unless --detach)",
         _start_args,
         _start,
+    ),
+    "follow": Command(
+        "run as a follower rank of a daemon split over several processes (started for you)",
+        _follow_args,
+        _follow,
     ),
     "stop": Command("stop the running daemon (not running is not an error)", _state_dir_args, _stop),
     "status": Command(

@@ -62,6 +62,17 @@ def embedded_model_dir() -> Path:
     return Path(locations[0]) / "assets"
 
 
+def launched_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank when `mlx.launch` started it (MLX_RANK), else None."""
+    env = os.environ if environ is None else environ
+    value = env.get("MLX_RANK", "")
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"MLX_RANK: must be a rank number, got {value!r}")
+    return int(value)
+
+
 def is_loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True
@@ -109,6 +120,12 @@ class Settings:
     # Background calibration on a model's first start on this machine (mtplxd/calibrate.py):
     # tokens per AR/MTP run; 0: none (decode with the profile's defaults until `mtplxd bench`).
     calibrate_tokens: int = 32
+    # Several ranks (mtplxd/ranks/): start this many on this machine, the model split over
+    # them (ring backend on loopback); under mlx.launch the launcher decides instead.
+    ranks: int = 1
+    # A collective that has not returned after this long means a rank hangs: the ranks are
+    # then out of service (requests 503, /health says why) until the daemon restarts.
+    rank_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host: must not be empty")
@@ -119,6 +136,8 @@ class Settings:
         _check(self.max_active >= 1, f"max_active: must be at least 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued: must not be negative, got {self.max_queued}")
         _check(self.batch_rows >= 1, f"batch_rows: must be at least 1, got {self.batch_rows}")
+        _check(self.ranks >= 1, f"ranks: must be at least 1, got {self.ranks}")
+        _check(self.rank_timeout_s > 0, f"rank_timeout_s: must be positive, got {self.rank_timeout_s}")
         _check(self.max_cache_bytes is None or self.max_cache_bytes > 0,
                f"max_cache_bytes: must be positive, got {self.max_cache_bytes}")
         _check(self.max_body_bytes >= MIN_BODY_BYTES,
@@ -192,6 +211,8 @@ _KINDS = {
     "session_write_bps": "int",
     "watch_workspaces": "int",
     "calibrate_tokens": "int",
+    "ranks": "int",
+    "rank_timeout_s": "float",
 }
 assert set(_KINDS) == {f.name for f in fields(Settings)}
 
@@ -281,6 +302,15 @@ def _coerce(name: str, value: Any, source: str, strict: bool = False) -> Any:
             except ValueError:
                 pass
         raise ConfigError(f"{source}: {name}: expected an integer, got {value!r}")
+    if kind == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and not strict:
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{source}: {name}: expected a number, got {value!r}")
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{source}: {name}: expected a string, got {value!r}")
     if kind == "path":

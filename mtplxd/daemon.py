@@ -24,12 +24,13 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import anyio
 import uvicorn
@@ -41,6 +42,7 @@ from mtplxd.config import Settings
 from mtplxd.calibrate import Calibrated, CalibrateRequest, calibration_prompt
 from mtplxd.requests import Failed
 from mtplxd.runtime import Runtime
+from mtplxd.ranks.world import World, local_world, start_followers, stop_followers
 from mtplxd.scheduler import NotReady, Scheduler, SchedulerLimits
 from mtplxd.workspaces import WorkspaceRegistry, open_bank, physical_memory
 
@@ -72,8 +74,9 @@ class StateDirError(Exception):
                          f"{fix}, or start it with --state-dir on another disk")
 
 
-def run(settings: Settings, log_to_stderr: bool = True) -> NoReturn:
-    """Blocking entry point of `mtplxd start` (foreground). Ends the process."""
+def run(settings: Settings, log_to_stderr: bool = True, world: World | None = None) -> NoReturn:
+    """Blocking entry point of `mtplxd start` (foreground). Ends the process. `world`:
+    rank 0 of ranks `mlx.launch` started (`settings.ranks` starts them here instead)."""
     try:
         prepare_state_dir(settings.state_dir)
     except OSError as e:  # no logging yet: it lives in the state dir
@@ -83,7 +86,7 @@ def run(settings: Settings, log_to_stderr: bool = True) -> NoReturn:
     setup_logging(settings, log_to_stderr, warnings)
     code = 0
     try:
-        anyio.run(Daemon(settings, warnings=warnings).serve)
+        anyio.run(Daemon(settings, warnings=warnings, world=world).serve)
     except StateDirError as e:
         log.error("%s", e)
         code = client.EXIT_STATE_DIR
@@ -110,9 +113,11 @@ def _exit(code: int) -> NoReturn:
 
 class Daemon:
     def __init__(self, settings: Settings, load_engine: Callable[[], Engine] | None = None,
-                 warnings: list[str] | None = None):
+                 warnings: list[str] | None = None, world: World | None = None):
         """`warnings`: a list others add one-line conditions to (run's log file), shown by /health."""
         self.settings = settings
+        self.world = world  # several ranks (mtplxd/ranks/); None: this process alone, or settings.ranks here
+        self.followers: list[subprocess.Popen] = []  # the ranks this process started
         limits = SchedulerLimits(
             max_active=settings.max_active,
             interactive_reserve=settings.interactive_reserve,
@@ -122,7 +127,7 @@ class Daemon:
             batch_rows=settings.batch_rows,
             max_cache_bytes=settings.max_cache_bytes or physical_memory() // 4,
         )
-        self.scheduler = Scheduler(load_engine or partial(load_model, settings.model_path), limits,
+        self.scheduler = Scheduler(load_engine or self._load, limits,
                                    bank=open_bank(settings),  # <state_dir>/sessions, flushed on shutdown
                                    calibrations=CalibrationStore(settings.state_dir))
         self.workspaces = WorkspaceRegistry(self.scheduler, settings.watch_workspaces, ignore=(settings.state_dir,))
@@ -130,6 +135,17 @@ class Daemon:
         self.server: uvicorn.Server | None = None
         self.port: int | None = None  # the port actually bound, once listening
         self.failure: StateDirError | None = None  # daemon.json could not be written: serve raises it
+
+    def _load(self) -> Engine:
+        """(worker thread) The model, split over the ranks when there are several."""
+        if self.world is None:
+            return load_model(self.settings.model_path)
+        from mtplxd.ranks.leader import lead
+
+        engine, leader = lead(self.settings, self.world, self.followers)
+        self.scheduler.bank = open_bank(self.settings, 0, leader.size)  # this rank's slices, in its own folder
+        self.scheduler.ranks = leader
+        return engine
 
     async def serve(self) -> None:
         state_dir = self.settings.state_dir
@@ -139,12 +155,24 @@ class Daemon:
             raise StateDirError(state_dir, e) from None
         with PidLock(state_dir / client.PID_FILE):
             try:
+                self._start_ranks()
                 await self._serve_locked()
             finally:
                 (state_dir / client.INFO_FILE).unlink(missing_ok=True)
+                if self.followers:
+                    stop_followers(self.followers)
         if self.failure is not None:
             raise self.failure
         log.info("stopped")
+
+    def _start_ranks(self) -> None:
+        """`settings.ranks` > 1: this process is rank 0 of ranks started here, on loopback."""
+        if self.settings.ranks <= 1 or self.world is not None:
+            return
+        folder = self.settings.state_dir / "ranks"
+        self.world, hostfile = local_world(self.settings.ranks, folder)
+        self.followers = start_followers(self.settings.ranks, hostfile, self.settings.state_dir, folder)
+        log.info("started %d follower ranks (logs in %s)", len(self.followers), folder)
 
     def shutdown(self) -> None:
         """Begin a clean shutdown (idempotent); `serve` returns when it is done."""
@@ -175,6 +203,7 @@ class Daemon:
             tg.start_soon(self._run_scheduler, scheduler_done)
             tg.start_soon(self._report_load)
             tg.start_soon(self._calibrate)  # first start of this model here: measure AR vs MTP
+            tg.start_soon(self._watch_ranks)
             tg.start_soon(self._publish_address)
             tg.start_soon(serve_lsp, self.runtime, self.settings)  # <state_dir>/lsp.sock for editors
             tg.start_soon(self.workspaces.run)  # watches workspaces, warms changed files
@@ -209,8 +238,8 @@ class Daemon:
     async def _calibrate(self) -> None:
         """Queue a background calibration when the model has heads and no stored
         measurement for this machine; store it and decode with it from then on."""
-        if self.settings.calibrate_tokens <= 0:
-            return
+        if self.settings.calibrate_tokens <= 0 or self.world is not None:
+            return  # several ranks: decode with this machine's one-rank measurement, or the defaults
         while self.scheduler.state == "loading":
             await anyio.sleep(0.05)
         planner, engine = self.scheduler.planner, self.scheduler.engine
@@ -231,6 +260,15 @@ class Daemon:
                     log.warning("calibration failed: %s", event.message)
         except (NotReady, OSError) as e:  # shutting down, or the state dir is not writable
             log.warning("calibration not stored: %s", e)
+
+    async def _watch_ranks(self) -> None:
+        """Several ranks: a rank that died or hangs puts them out of service at once."""
+        while self.scheduler.state in ("loading", "ready"):
+            leader = self.scheduler.ranks
+            reason = leader.watch() if leader is not None else None
+            if reason is not None:
+                self.scheduler.abandon(reason)
+            await anyio.sleep(0.25)
 
     async def _report_load(self) -> None:
         """Say in the log how the model load ended (the scheduler keeps it to /health)."""
@@ -297,13 +335,14 @@ class _Server(uvicorn.Server):
         yield
 
 
-def load_model(path: Path) -> Engine:
-    """Runs on the scheduler's worker thread."""
+def load_model(path: Path, group: Any = None) -> Engine:
+    """Runs on the scheduler's worker thread (a follower's main thread); `group`:
+    the ranks to split the model over (mtplxd/ranks/)."""
     import engine  # noqa: F401  (sets up BLAS before mlx.core loads)
     from engine.engine import Engine
     from mtplxd.store.models import touch_last_used
 
-    loaded = Engine.load(path)
+    loaded = Engine.load(path, group=group)
     touch_last_used(loaded.path)  # `mtplxd models` shows when each model was last used
     return loaded
 

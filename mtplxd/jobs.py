@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest, StepResult
@@ -85,20 +86,66 @@ def special_token_ids(tokenizer) -> frozenset[int]:
 def open_generation(engine: Engine, request: GenerationRequest, bank: SessionBank | None,
                     workspace: str | None) -> Generation:
     """Open a generation, restored from the bank's longest prefix of the prompt when it
-    has one. A snapshot that does not fit is a miss, never an error."""
+    has one. A snapshot that does not fit is a miss, never an error. On several ranks
+    each restores its own slice, and all of them restore the same length or none does
+    (a rank whose slice was evicted makes it a miss everywhere)."""
+    generation = _restored(engine, request, bank, workspace)
+    agreed = engine.backend.ranks.same(generation.reused if generation is not None else 0)
+    if generation is None or not agreed:
+        if generation is not None:
+            generation.close()
+        generation = engine.open(request, record=True) if bank is not None else engine.open(request)
+    return generation
+
+
+def _restored(engine: Engine, request: GenerationRequest, bank: SessionBank | None,
+              workspace: str | None) -> Generation | None:
     if bank is None:
-        return engine.open(request)
+        return None
     try:
         restore = bank.lookup(workspace, request.prompt)
     except Exception:  # the bank must never fail a request
         log.exception("session bank lookup failed")
-        restore = None
-    if restore is not None:
-        try:
-            return engine.open(request, restore=restore, record=True)
-        except SnapshotMismatch as e:
-            log.warning("session snapshot not used: %s", e)
-    return engine.open(request, record=True)
+        return None
+    if restore is None:
+        return None
+    try:
+        return engine.open(request, restore=restore, record=True)
+    except SnapshotMismatch as e:
+        log.warning("session snapshot not used: %s", e)
+        return None
+
+
+def attach_bank(engine: Engine, bank: SessionBank | None) -> None:
+    """Bind the session bank to the loaded model (fingerprint, layout, disk tier). Its
+    probe runs a forward: on several ranks every rank calls this, in the same place."""
+    if bank is None:
+        return
+    try:
+        from engine.sessions.arrays import describe
+
+        key = describe(engine)
+        if key is None:
+            log.info("session bank off: this model's caches cannot be snapshotted")
+            return
+        bank.attach(key)
+    except Exception as e:  # a model without the usual engine surface, a broken disk: run without
+        log.warning("session bank off: %s: %s", type(e).__name__, e)
+
+
+def start_job(request: Any, engine: Engine, plan: DecodePlan | None, seed: int | None,
+              bank: SessionBank | None) -> Any:
+    """The job that runs `request` (a follower rank builds the same from rank 0's plan and seed)."""
+    from mtplxd.calibrate import CalibrateJob, CalibrateRequest
+
+    if isinstance(request, EmbedRequest):
+        return EmbedJob(request, engine)
+    if isinstance(request, WarmRequest):
+        return WarmJob(request, engine, bank)
+    if isinstance(request, CalibrateRequest):
+        return CalibrateJob(request, engine)
+    assert plan is not None and seed is not None
+    return TextJob(request, engine, plan, seed, bank)
 
 
 # A text job offers a snapshot only when it fed at least this many tokens beyond what it

@@ -132,6 +132,10 @@ class Runtime:
     def load_error(self) -> str | None:
         return self._scheduler.load_error
 
+    def failure(self) -> str:
+        """Why nothing runs (state "failed"): the model did not load, or its ranks stopped."""
+        return self._scheduler.failure_message()
+
     def stats(self) -> SchedulerStats:
         return self._scheduler.stats()
 
@@ -168,6 +172,15 @@ class Runtime:
             return 0
         plan = planner.plan(temperature)
         return plan.depth if plan.mode == "mtp" else 0
+
+    def ranks(self) -> dict | None:
+        """Several ranks (mtplxd/ranks/): how the model is split and each rank's state;
+        None for one process."""
+        leader = self._scheduler.ranks
+        if leader is None:
+            return None
+        return {"size": leader.size, "sharding": leader.sharding, "failure": leader.failure,
+                "ranks": leader.describe()}
 
     def warnings(self) -> list[str]:
         """One line per condition the user should know of (a full disk, an unwritable log)."""

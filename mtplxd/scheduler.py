@@ -50,7 +50,9 @@ from engine.profiles import (
     Calibration, CalibrationStore, DecodePlan, DecodePlanner, auto_profile, get_profile,
 )
 from mtplxd.calibrate import CalibrateJob, CalibrateRequest
-from mtplxd.jobs import EmbedJob, TextJob, WarmJob
+from mtplxd.jobs import EmbedJob, TextJob, WarmJob, attach_bank, start_job
+from mtplxd.ranks.channel import Close, Join, Leave, Start, Step, StepBatch, row_check
+from mtplxd.ranks.leader import PING_S, Leader, RanksFailed
 from mtplxd.requests import (
     EmbedRequest, Event, Failed, FailureKind, NotReady, Priority, QueueFull, SchedulerStats, State, TextRequest, Ticket,
     WarmRequest,
@@ -109,6 +111,7 @@ class Scheduler:
         self._batched: dict[_Entry, DecodeBatch] = {}  # each batched entry's batch
         self.on_event: Callable[[_Entry, Event], None] | None = None  # mtplxd/runtime.py's listeners
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop the streams live on
+        self.ranks: Leader | None = None  # several ranks (mtplxd/ranks/): set by the model load
 
     # -- event-loop side ---------------------------------------------------------
 
@@ -123,7 +126,7 @@ class Scheduler:
 
     def submit(self, request: Request) -> Ticket:
         if self.state == "failed":
-            raise NotReady(f"model failed to load: {self.load_error}")
+            raise NotReady(self.failure_message())
         if self.state in ("stopping", "stopped"):
             raise NotReady("the daemon is shutting down")
         send, receive = anyio.create_memory_object_stream[Event](math.inf)
@@ -135,6 +138,24 @@ class Scheduler:
             self._queues[request.priority].append(entry)
             self._cond.notify()
         return Ticket(entry.id, receive, lambda: self._cancel(entry))
+
+    def failure_message(self) -> str:
+        if self.ranks is not None and self.ranks.failure is not None:
+            return f"the model's ranks are out of service ({self.ranks.failure}); restart the daemon"
+        return f"the model failed to load: {self.load_error}"
+
+    def abandon(self, reason: str) -> None:
+        """(event loop) The ranks stopped answering while the worker waits on them: end
+        every request now, refuse new ones; the worker's jobs are left as they are."""
+        with self._cond:
+            self.state, self.load_error = "failed", reason
+            entries = [e for q in self._queues.values() for e in q]
+            for queue in self._queues.values():
+                queue.clear()
+            self._batched.clear()
+        for entry in entries:
+            self._deliver(entry, Failed(self.failure_message(), "internal"))
+            self._close_stream(entry)
 
     def stop(self) -> None:
         with self._cond:
@@ -175,8 +196,12 @@ class Scheduler:
             return
         self.batching = self.limits.batch_rows > 1 and hasattr(self.engine, "backend")
         self._serve()
+        if self.state == "failed":  # the ranks failed: nothing more runs on them
+            return
         self.state = "stopped"
         self._fail_all("the daemon is shutting down", "shutdown")
+        if self.ranks is not None:
+            self.ranks.shutdown()
 
     def _make_planner(self, engine: Any) -> DecodePlanner:
         n_heads = engine.backend.n_heads
@@ -204,23 +229,15 @@ class Scheduler:
         return self.planner.plan(request.sampler.temperature, request.profile, request.mode, request.depth)
 
     def _attach_bank(self) -> None:
-        """Bind the session bank to the loaded model (fingerprint, layout, disk tier)."""
-        if self.bank is None:
-            return
-        try:
-            from engine.sessions.arrays import describe
-
-            key = describe(self.engine)
-            if key is None:
-                log.info("session bank off: this model's caches cannot be snapshotted")
-                return
-            self.bank.attach(key)
-        except Exception as e:  # a model without the usual engine surface, a broken disk: run without
-            log.warning("session bank off: %s: %s", type(e).__name__, e)
+        if self.engine is not None:
+            attach_bank(self.engine, self.bank)
 
     def _serve(self) -> None:
         """Until stopping: the batch's step, then one step of the next job outside it."""
         while True:
+            if self.ranks is not None and self.ranks.failure is not None:
+                self._ranks_failed()
+                return
             with self._cond:
                 closing = self._drop_cancelled()
                 entry = None
@@ -229,16 +246,31 @@ class Scheduler:
                         return
                     entry = self._pick()
                     if entry is None and not self._batched:
-                        self._cond.wait()
-                        continue
-            for job in closing:  # outside the lock: closing offers a snapshot to the bank
-                self._close(job)
-            # Interactive work never waits behind the batch (normal and background rows).
-            if self._batched and (entry is None or entry.request.priority != Priority.INTERACTIVE):
-                self._step_batches()
-            if entry is not None:
-                self._advance(entry)
-                self._batch_decoding()
+                        self._cond.wait(None if self.ranks is None else PING_S)
+            if not closing and entry is None and not self._batched:
+                if self.ranks is not None:
+                    self.ranks.idle()  # outside the lock: a ping is a collective
+                continue
+            try:
+                self._serve_once(closing, entry)
+            except RanksFailed:  # reported at the top of the loop
+                pass
+
+    def _serve_once(self, closing: list[_Entry], entry: _Entry | None) -> None:
+        for closed in closing:  # outside the lock: closing offers a snapshot to the bank
+            self._close(closed)
+        # Interactive work never waits behind the batch (normal and background rows).
+        if self._batched and (entry is None or entry.request.priority != Priority.INTERACTIVE):
+            self._step_batches()
+        if entry is not None:
+            self._advance(entry)
+            self._batch_decoding()
+
+    def _ranks_failed(self) -> None:
+        """The ranks are out of step: end every request with the reason, run nothing more."""
+        self.state = "failed"
+        self.load_error = self.ranks.failure if self.ranks is not None else None
+        self._fail_all(self.failure_message(), "internal")
 
     def _pick(self) -> _Entry | None:
         """Class order, round-robin inside a class, the batch's rows aside; a new job
@@ -304,6 +336,7 @@ class Scheduler:
         if self._batch_depth(rows, depth_of(generation)) == 0:
             generation.to_ar()  # exact either way: the trunk's caches are the same
         depth = depth_of(generation)
+        self._announce(Join(entry.id, depth))
         if depth not in self._batches:
             self._batches[depth] = DecodeBatch(generation.backend, depth)
         self._batches[depth].join(generation)
@@ -312,6 +345,7 @@ class Scheduler:
     def _unbatch(self, entry: _Entry) -> None:
         batch = self._batched.pop(entry, None)
         if batch is not None:
+            self._tell(Leave(entry.id))
             batch.leave(_text_job(entry).generation)
 
     def _step_batches(self) -> None:
@@ -324,9 +358,12 @@ class Scheduler:
         by_row = {id(_text_job(e).generation): e for e, b in self._batched.items() if b is batch}
         entries = [by_row[id(row)] for row in batch.rows]  # in the batch's row order
         try:
+            self._announce(StepBatch(batch.depth, tuple(row_check(row) for row in batch.rows)))
             results = batch.step()
         except Exception as e:  # the batch's caches may be half-updated: end every row
             log.exception("batched step failed")
+            if self.ranks is not None and not isinstance(e, RanksFailed):
+                self.ranks.fail(f"a batched step failed on rank 0: {type(e).__name__}: {e}")
             for entry in entries:
                 _text_job(entry).broken()
                 self._unbatch(entry)
@@ -342,38 +379,45 @@ class Scheduler:
                 self._unbatch(entry)
                 self._finish(entry)
 
-    def _close(self, job: Job) -> None:
+    def _close(self, entry: _Entry) -> None:
         """Close a cancelled job (out of the batch first: it closes with its own caches)."""
-        for entry in [e for e in self._batched if e.job is job]:
-            self._unbatch(entry)
-        job.close()
+        self._unbatch(entry)
+        self._tell(Close(entry.id))
+        assert entry.job is not None
+        entry.job.close()
 
     def _active_count(self) -> int:
         return sum(e.job is not None for q in self._queues.values() for e in q)
 
-    def _drop_cancelled(self) -> list:
-        """Unqueue cancelled entries; returns their jobs for the caller to close."""
-        jobs = []
+    def _drop_cancelled(self) -> list[_Entry]:
+        """Unqueue cancelled entries; returns those with a job, for the caller to close."""
+        started = []
         for queue in self._queues.values():
             for entry in [e for e in queue if e.cancelled]:
                 queue.remove(entry)
                 if entry.job is not None:
-                    jobs.append(entry.job)
+                    started.append(entry)
                 self.cancelled += 1
-        return jobs
+        return started
 
     def _advance(self, entry: _Entry) -> None:
         """One engine step of one job, outside the lock."""
         try:
             if entry.job is None:
-                entry.job = self._start(entry.request)
+                entry.job = self._start(entry)
                 if isinstance(entry.job, TextJob):
                     entry.job.queue_wait_s = time.perf_counter() - entry.submitted
+            generation = getattr(entry.job, "generation", None)
+            self._announce(Step(entry.id, row_check(generation) if isinstance(generation, Generation) else None))
             events = entry.job.step()
         except ValueError as e:
             events = [Failed(str(e), "invalid")]
+        except RanksFailed as e:
+            events = [Failed(str(e), "internal")]
         except Exception as e:  # never let one request kill the worker
             events = [Failed(f"{type(e).__name__}: {e}", "internal")]
+            if self.ranks is not None:  # the ranks may now be out of step: trust them no more
+                self.ranks.fail(f"a step failed on rank 0: {type(e).__name__}: {e}")
         self.steps += 1
         finished = (entry.job is not None and entry.job.finished) or any(isinstance(e, Failed) for e in events)
         for event in events:
@@ -381,18 +425,25 @@ class Scheduler:
         if finished:
             self._finish(entry)
 
-    def _start(self, request: Request) -> Job:
-        engine = self.engine
+    def _start(self, entry: _Entry) -> Job:
+        engine, request = self.engine, entry.request
         if engine is None:
             raise NotReady("the model has not loaded")
-        if isinstance(request, EmbedRequest):
-            return EmbedJob(request, engine)
-        if isinstance(request, WarmRequest):
-            return WarmJob(request, engine, self.bank)
-        if isinstance(request, CalibrateRequest):
-            return CalibrateJob(request, engine)
-        seed = request.seed if request.seed is not None else random.getrandbits(31)
-        return TextJob(request, engine, self.plan(request), seed, self.bank)
+        seed, plan = None, None
+        if isinstance(request, TextRequest):
+            seed = request.seed if request.seed is not None else random.getrandbits(31)
+            plan = self.plan(request)
+        self._announce(Start(entry.id, request, seed, plan))
+        return start_job(request, engine, plan, seed, self.bank)
+
+    def _announce(self, command: Any) -> None:
+        """Several ranks: tell the followers the engine work about to run (mtplxd/ranks/)."""
+        if self.ranks is not None:
+            self.ranks.announce(command)
+
+    def _tell(self, command: Close | Leave) -> None:
+        if self.ranks is not None:
+            self.ranks.tell(command)
 
     def _deliver(self, entry: _Entry, event: Event) -> None:
         self._deliver_all([(entry, event)])
@@ -430,6 +481,7 @@ class Scheduler:
                 if entry in queue:
                     queue.remove(entry)
         if entry.job is not None:
+            self._tell(Close(entry.id))
             entry.job.close()
         self.completed += 1
         self._close_stream(entry)
@@ -446,7 +498,7 @@ class Scheduler:
                 queue.clear()
         for entry in entries:
             if entry.job is not None:
-                self._close(entry.job)
+                self._close(entry)
             self._deliver(entry, Failed(message, kind))
             self._close_stream(entry)
 

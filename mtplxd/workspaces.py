@@ -284,9 +284,10 @@ def default_disk_bytes(folder: Path) -> int:
     return int(min(8 << 30, free // 4))
 
 
-def open_bank(settings: Any) -> Any:
+def open_bank(settings: Any, rank: int = 0, size: int = 1) -> Any:
     """The session bank of `settings` (<state_dir>/sessions), or None when switched off.
-    On a (nearly) full disk it is RAM only, with a warning in the log and bank.disk_warning."""
+    On a (nearly) full disk it is RAM only, with a warning in the log and bank.disk_warning.
+    Of several ranks, each keeps its slices in its own folder (mtplxd/ranks/world.py)."""
     from engine.sessions.bank import SessionBank
     from engine.sessions.disk_tier import full_disk_warning
 
@@ -294,6 +295,10 @@ def open_bank(settings: Any) -> Any:
     if ram <= 0:
         return None
     folder = Path(settings.state_dir) / "sessions"
+    if size > 1:
+        from mtplxd.ranks.world import rank_folder
+
+        folder = folder / rank_folder(rank, size)
     delay, bps = settings.session_write_delay_ms / 1000.0, settings.session_write_bps
     full = full_disk_warning(folder) if settings.session_disk_bytes != 0 else None  # 0: RAM only by choice
     if full is not None:

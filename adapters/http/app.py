@@ -188,6 +188,9 @@ class _Api:
         decoding = self.runtime.decoding()
         if decoding is not None:  # the profile and the mode/depth it picks per temperature
             body["decoding"] = decoding
+        ranks = self.runtime.ranks()
+        if ranks is not None:  # the model is split over several processes (mtplxd/ranks/)
+            body["ranks"] = ranks
         if stats.state == "failed":
             body["error"] = self.runtime.load_error
         # What it serves degraded under and the user should fix (a full disk), one line each.
@@ -205,7 +208,7 @@ class _Api:
             raise ApiError(503, "the model is still loading; retry shortly", code="model_loading",
                            headers={"Retry-After": "2"})
         if state == "failed":
-            raise ApiError(503, f"the model failed to load: {self.runtime.load_error}", code="model_failed")
+            raise ApiError(503, self.runtime.failure(), code="model_failed")
         model = self.runtime.model()
         if state != "ready" or model is None:
             raise ApiError(503, "the daemon is shutting down", code="shutting_down")

@@ -144,7 +144,7 @@ class McpAdapter:
         if state == "loading":
             raise ToolError("the model is still loading; retry in a few seconds")
         if state == "failed":
-            raise ToolError(f"the model failed to load: {self.runtime.load_error}")
+            raise ToolError(self.runtime.failure())
         info = self.figures.model_info()
         if state != "ready" or info is None:
             raise ToolError("the daemon is shutting down")

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from engine.distributed import Ranks, shard_trunk
 from engine.quantized import quantize_like_checkpoint
 
 # Set while converting a checkpoint: parameters stay lazy (memory-mapped from the
@@ -75,6 +76,7 @@ class Backend:
     trunk: nn.Module  # the mlx-lm Model
     heads: list[nn.Module]  # MTP heads, one per depth the checkpoint has
     vocab_size: int
+    ranks: Ranks = Ranks()  # one rank until engine/distributed.py shards it
 
     def __init__(self, trunk: nn.Module, heads: list[nn.Module]):
         self.trunk = trunk
@@ -84,6 +86,11 @@ class Backend:
     @property
     def n_heads(self) -> int:
         return len(self.heads)
+
+    def shard(self, group: Any) -> str:
+        """Split the trunk over `group`'s ranks (engine/distributed.py); how, in words.
+        Families whose mlx-lm model cannot split override this or refuse."""
+        return shard_trunk(self.trunk, self.family, group)
 
     def make_cache(self) -> list[Any]:
         return self.trunk.make_cache() if hasattr(self.trunk, "make_cache") else [

@@ -26,6 +26,7 @@ from mlx_lm.models.base import create_attention_mask, create_causal_mask, scaled
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
 from engine.backends.decode_ops import RopeTable, apply_rope, cpu_attention, grouped_mask, swiglu
+from engine.distributed import ShardingError, shard_attention, shard_mlp
 
 HEAD_PREFIX = "model.mtp_layers."
 # Steps of at most this many tokens (decode steps, verify windows, drafts) run
@@ -116,6 +117,19 @@ class MiMoBackend(Backend):
         model = self.trunk.model
         h = self._run(model.layers, model.embed_tokens(tokens), cache)
         return self._output(model.norm, h)
+
+    def shard(self, group) -> str:
+        """mlx-lm has no split for MiMo: each block's MLP is split over the ranks, and
+        its attention too when the head counts divide (one KV head does not: then every
+        rank holds the whole attention). The LM head is tied to the embedding: whole."""
+        blocks = self.trunk.model.layers
+        attention = all([shard_attention(block.self_attn, group) for block in blocks])
+        if not all([shard_mlp(block.mlp, group) for block in blocks]):
+            raise ShardingError(f"mimo: intermediate_size {self.trunk.args.intermediate_size} "
+                                f"does not divide over {group.size()} ranks")
+        self._compiled.clear()
+        split = "attention heads and MLP" if attention else "MLP (attention replicated: its head counts do not divide)"
+        return f"tensor parallel over {group.size()} ranks: {split}; MTP heads replicated"
 
     def head(self, k, hidden, tokens, cache, last=False):
         head = self.heads[k]

@@ -40,6 +40,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
 from engine.checkpoint import CheckpointError, conversion_record
+from engine.distributed import pipeline_trunk, pass_stage, receive_stage
 
 HEAD_PREFIX = "mtp."
 # Module names of Qwen's zero-centred norms inside the head (relative to `mtp.`).
@@ -83,14 +84,20 @@ class Qwen3NextBackend(Backend):
             return self.trunk.model.embed_tokens.as_linear(h)
         return self.trunk.lm_head(h)
 
+    def shard(self, group) -> str:
+        """mlx-lm has no tensor-parallel split for Qwen3-Next: its layers are split instead."""
+        return pipeline_trunk(self.trunk.model, self.family, group)
+
     def forward(self, tokens, cache, tape: Tape | None = None):
         model = self.trunk.model
         h = model.embed_tokens(tokens)
-        fa_mask = create_attention_mask(h, cache[model.fa_idx])
-        ssm_mask = create_ssm_mask(h, cache[model.ssm_idx])
+        # On several ranks this rank holds only some layers (a pipeline); cache is theirs.
+        fa_mask = create_attention_mask(h, cache[model.fa_idx]) if model.fa_idx is not None else None
+        ssm_mask = create_ssm_mask(h, cache[model.ssm_idx]) if model.ssm_idx is not None else None
         if tape is not None:
             tape.length = tokens.shape[1]  # what rewind undoes; the loop sets the same
-        for i, (layer, c) in enumerate(zip(model.layers, cache)):
+        h = receive_stage(model, h)
+        for i, (layer, c) in enumerate(zip(model.pipeline_layers, cache)):
             x = layer.input_layernorm(h)
             if layer.is_linear:
                 # Recurrent state cannot be trimmed: keep its input for replay.
@@ -101,7 +108,7 @@ class Qwen3NextBackend(Backend):
                 r = layer.self_attn(x, fa_mask, c)
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = model.norm(h)
+        h = model.norm(pass_stage(model, h, cache))
         return self._lm_head(h), h
 
     def head(self, k, hidden, tokens, cache, last=False):
@@ -112,7 +119,7 @@ class Qwen3NextBackend(Backend):
         # Same call the forward made, over the kept prefix only, from the restored state.
         # A batch of rows (engine/batch.py) keeps a different prefix per row: the cache's
         # lengths mask the rest (None for one row).
-        self.trunk.model.layers[layer].linear_attn(mixer_input, cache.make_mask(mixer_input.shape[1]), cache)
+        self.trunk.model.pipeline_layers[layer].linear_attn(mixer_input, cache.make_mask(mixer_input.shape[1]), cache)
 
 
 # --- loading helpers, shared with the Qwen3.5 backend -------------------------
