@@ -184,7 +184,7 @@ class Generation:
                 return  # the later heads wait for this one's outputs
             tokens = mx.array(self.tokens[start + k + 1 : end + k + 1])[None]
             _, outputs = self.backend.head(k, state.pending[:, : end - start], tokens, cache, last=True)
-            state.pending = state.pending[:, end - start :]
+            state.pending = state.pending[:, end - start :] if end - start < waiting else None
             if k + 1 < len(self._heads):
                 self._heads[k + 1].pending = _concat(self._heads[k + 1].pending, outputs)
 
@@ -308,7 +308,7 @@ class Generation:
             # head_inputs[k] covers positions offsets[k] .. T-1; keep
             # real[k] .. real[k-1]-1 (real outputs of head k-1 not yet consumed).
             lo, hi = real[k] - offsets[k], real[k - 1] - offsets[k]
-            self._heads[k].pending = head_inputs[k][:, lo:hi]
+            self._heads[k].pending = head_inputs[k][:, lo:hi] if hi > lo else None  # none waiting, as in a batch
         if self._heads:
             self._heads[0].pending = None  # head 0 consumed every trunk hidden up to T-1
 

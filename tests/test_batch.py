@@ -83,9 +83,11 @@ def _solo(engine_, prompt, sampler, seed, max_tokens, mode, depth, at):
     return gen
 
 
-@pytest.mark.parametrize("family", available_families())
+@pytest.mark.parametrize("family", [*available_families(), "mimo:3"])
 def test_rows_in_a_batch_decode_as_alone(tmp_path, family):
-    engine_ = load_family(tmp_path, family)
+    """`family:n`: a checkpoint with n MTP heads (each head's own pending inputs)."""
+    family, _, heads = family.partition(":")
+    engine_ = load_family(tmp_path, family, **({"mtp_heads": int(heads)} if heads else {}))
     batched = _batched(engine_)
     for row, gen in zip(ROWS, batched):
         prompt, sampler = row[0], row[1]
