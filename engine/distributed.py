@@ -63,10 +63,10 @@ class Ranks:
     def held(self, checks: list[mx.array], results: list[mx.array]) -> bool:
         """Evaluate `results` with the top-p shortcut checks (engine/sampling.py);
         whether every check held, as rank 0 found it (a host sync)."""
-        if self.size == 1:
+        if self.size == 1 or not checks:  # no checks (greedy): nothing to decide
             mx.eval(*results, *checks)
             return all(check.item() for check in checks)
-        held = mx.all(mx.stack([mx.all(c) for c in checks])) if checks else mx.array(True)
+        held = mx.all(mx.stack([mx.all(c) for c in checks]))
         (agreed,) = self.decide(held)
         mx.eval(*results, agreed)
         return bool(agreed.item())

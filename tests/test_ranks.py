@@ -16,10 +16,12 @@ weights: its layers are split, a pipeline).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -152,8 +154,11 @@ def follower_pids(daemon_pid: int) -> list[int]:
 def wait_for_status(base_url: str, status: int, within_s: float) -> tuple[dict, float]:
     started = time.monotonic()
     while time.monotonic() - started < within_s:
-        reply = httpx.get(base_url + "/health", timeout=5)
-        if reply.status_code == status:
+        try:
+            reply = httpx.get(base_url + "/health", timeout=5)
+        except httpx.TransportError:  # not listening yet
+            reply = None
+        if reply is not None and reply.status_code == status:
             return reply.json(), time.monotonic() - started
         time.sleep(0.1)
     raise AssertionError(f"/health did not answer {status} within {within_s} s")
@@ -196,6 +201,38 @@ def test_a_lost_follower_puts_the_daemon_out_of_service(tmp_path, fault):
     while alive(follower) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(follower), "no rank outlives `mtplxd stop`"
+
+
+def test_start_under_mlx_launch(tmp_path):
+    """What a user with two machines types, on loopback: mlx.launch starts `mtplxd start`
+    on every rank; rank 0 serves, rank 1 follows, `mtplxd stop` ends both."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    state = tmp_path / "state"
+    launch = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--", *mtplxd_command(), "start",
+                               "--port", "0", "--state-dir", str(state)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "daemon.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        url = "http://127.0.0.1:{port}".format(**json.loads((state / "daemon.json").read_text()))
+        health, _ = wait_for_status(url, 200, 60)
+        assert [r["role"] for r in health["ranks"]["ranks"]] == ["daemon", "follower"]
+        reply = httpx.post(url + "/v1/completions", json={"model": "assets", "prompt": PROMPTS[0], "max_tokens": 8,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert reply.json()["usage"]["completion_tokens"] == 8
+        subprocess.run([*mtplxd_command(), "stop", "--state-dir", str(state)], check=True, timeout=60,
+                       capture_output=True)
+        assert launch.wait(30) == 0, "every rank ended"
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+
+
+def _env() -> dict[str, str]:
+    from tests.daemon_fixture import daemon_env
+
+    return daemon_env()
 
 
 def test_commands_carry_only_our_own_classes():

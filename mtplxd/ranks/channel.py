@@ -1,10 +1,11 @@
 """The commands rank 0 announces before each piece of engine work, and how they travel.
 
-A command travels over the ranks' own collectives (no transport of our own): a
-header, then the command's bytes, each an all-sum to which only rank 0 adds
-anything but zeros. The header also carries every follower's verdict on the
-command before (0: done as told), so a follower that diverged or failed is seen
-at the next command; when nothing runs, rank 0 pings. Commands are pickled
+A command travels over the ranks' own collectives (no transport of our own): one
+all-sum to which only rank 0 adds anything but zeros, carrying its length and its
+first bytes (a second one carries the rest of a long command, a prompt). The same
+all-sum carries every follower's verdict on the command before (0: done as told),
+so a follower that diverged or failed is seen at the next command; when nothing
+runs, rank 0 pings. Commands are pickled
 dataclasses, and unpickled by a loader that accepts only mtplxd's and the
 engine's own classes: a rank never runs code that came over the wire.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 OK, DIVERGED, FAILED = 0, 1, 2
+INLINE = 1024  # command bytes that travel with the header (a step's command is ~200)
 VERDICTS = {DIVERGED: "diverged from rank 0", FAILED: "failed a step"}
 
 
@@ -98,34 +100,34 @@ class Channel:
         """(rank 0) Announce `command`; the followers' verdicts on the one before
         that were not OK, by rank."""
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        header = self._header(len(data), OK)
-        self._payload(data, len(data))
-        return {rank: verdict for rank, verdict in enumerate(header) if rank > 0 and verdict != OK}
+        verdicts = self._exchange(data, OK)[1]
+        return {rank: verdict for rank, verdict in enumerate(verdicts) if rank > 0 and verdict != OK}
 
     def receive(self, verdict: int) -> Command:
         """(a follower) The next command, telling rank 0 how the last one went."""
-        length = self._header(0, verdict)[0]
-        return _load(self._payload(b"", length))
+        return _load(self._exchange(b"", verdict)[0])
 
-    def _header(self, length: int, verdict: int) -> list[int]:
-        """[the command's length, rank 1's verdict, ..., the last rank's]."""
+    def _exchange(self, data: bytes, verdict: int) -> tuple[bytes, list[int]]:
+        """One all-sum of [length (4 bytes) | a verdict byte per rank | the first INLINE
+        bytes of the command]; a longer command (a long prompt) takes a second one."""
         import mlx.core as mx
         import numpy as np
 
-        values = [0] * self.size
-        values[self.rank] = length if self.rank == 0 else verdict
-        total = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
-        return [int(v) for v in np.array(total)]
-
-    def _payload(self, data: bytes, length: int) -> bytes:
-        import mlx.core as mx
-        import numpy as np
-
-        if length == 0:
-            return b""
-        mine = np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(length, dtype=np.uint8)
-        total = mx.distributed.all_sum(mx.array(mine), group=self.group)
-        return bytes(np.array(total, copy=False))
+        message = np.zeros(4 + self.size + INLINE, dtype=np.uint8)
+        if self.rank == 0:
+            message[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+            head = np.frombuffer(data[:INLINE], dtype=np.uint8)
+            message[4 + self.size : 4 + self.size + len(head)] = head
+        else:
+            message[4 + self.rank] = verdict
+        total = np.array(mx.distributed.all_sum(mx.array(message), group=self.group))
+        length = int.from_bytes(total[:4].tobytes(), "little")
+        verdicts = [int(v) for v in total[4 : 4 + self.size]]
+        body = total[4 + self.size : 4 + self.size + min(length, INLINE)].tobytes()
+        if length > INLINE:
+            rest = np.frombuffer(data[INLINE:], dtype=np.uint8) if self.rank == 0 else np.zeros(length - INLINE, np.uint8)
+            body += np.array(mx.distributed.all_sum(mx.array(rest), group=self.group)).tobytes()
+        return body, verdicts
 
 
 _ALLOWED_BUILTINS = {"frozenset", "set", "tuple", "list", "dict", "int", "float", "str", "bytes", "bool",
