@@ -252,7 +252,7 @@ class DecodeBatch:
             logits, out = self.backend.head(final, outputs.last(), drafts[-1][:, None], self._heads[final], last=True)
             self._add_drafts(logits[:, -1], groups, drafts, q, exact, checks)
             outputs = _Ragged(out, [1] * len(self.rows))
-        return mx.stack(drafts, axis=1), q, inputs
+        return self._decide(mx.stack(drafts, axis=1))[0], q, inputs  # rank 0's (Generation._draft)
 
     def _head_tokens(self, k: int, T: list[int], drafts: list[mx.array], counts: list[int]) -> mx.array:
         """Head k's tokens [B, L]: token_{p+k+1} for each row's positions p from its
@@ -270,7 +270,7 @@ class DecodeBatch:
     def _add_drafts(self, logits: mx.array, groups: list[_Group], drafts: list, q: list, exact: bool,
                     checks: list) -> None:
         tokens, probs, group_checks = _draw_rows(groups, logits, self._next_keys(), exact)
-        drafts.append(self._decide(tokens)[0])
+        drafts.append(tokens)
         q.append(probs)
         checks += group_checks
 

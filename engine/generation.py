@@ -282,7 +282,9 @@ class Generation:
                 final, outputs[:, -1:], drafts[-1][None], self.head_caches[final], last=True
             )
             self._add_draft(logits[:, -1], drafts, q, exact)
-        return mx.concatenate(drafts), q, head_inputs
+        # Several ranks: the trunk reads rank 0's drafts. Another rank's own drafts only
+        # ever feed its own heads, whose outputs nothing commits: one decision suffices.
+        return self.backend.ranks.decide(mx.concatenate(drafts))[0], q, head_inputs
 
     def _add_draft(self, logits: mx.array, drafts: list, q: list, exact: bool) -> None:
         token, probs = self._draw(logits, self._next_key(), exact)  # probs [1, V], or None when greedy
@@ -450,21 +452,20 @@ class Generation:
             allowed[mx.array(sorted(self.request.first_tokens))] = True
             logits = mx.where(allowed, logits, -mx.inf)
         key = self._next_key()
-        token, _ = self._draw(logits, key, exact=False)
+        decide = self.backend.ranks.decide  # several ranks: rank 0's draw is everyone's
+        (token,) = decide(self._draw(logits, key, exact=False)[0])
         if not self._covered(token):
-            token, _ = self._draw(logits, key, exact=True)
+            (token,) = decide(self._draw(logits, key, exact=True)[0])
         return int(token.item())
 
     def _draw(self, logits: mx.array, key: mx.array, exact: bool) -> tuple[mx.array, mx.array | None]:
         """A token (int32 [1]) from the filtered distribution of logits [1, V], and that
         distribution; None when greedy, where the argmax is the one-hot's only token.
-        A key is used either way, so greedy and sampled runs split keys alike. On
-        several ranks, rank 0's draw is everyone's (engine/distributed.py)."""
-        decide = self.backend.ranks.decide
+        A key is used either way, so greedy and sampled runs split keys alike."""
         if self.request.sampler.greedy:
-            return decide(mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32))[0], None
+            return mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32), None
         probs = self._probs(logits, exact)
-        return decide((compiled_sample if self.request.compiled else sample)(probs, key))[0], probs
+        return (compiled_sample if self.request.compiled else sample)(probs, key), probs
 
     def _next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)
