@@ -214,7 +214,9 @@ def _write(src: Path, dst: Path, config: dict[str, Any], report: InspectReport, 
     if spec.bits:
         out_config["quantization"] = _quantize_trunk(backend.trunk, spec)
     n_layers = int(text_config(config).get("num_hidden_layers") or 0)
-    heads = head_tensors(report.descriptor, backend.heads, n_layers)
+    # A backend whose heads span several checkpoint layers (Nemotron-H) names them itself.
+    own_names = getattr(backend, "head_tensors", None)
+    heads = own_names() if own_names else head_tensors(report.descriptor, backend.heads, n_layers)
     out_config[CONVERSION_KEY] = {
         **origin,
         "mtp_heads": len(backend.heads),

@@ -28,6 +28,8 @@ BACKEND_MODULES = {
     "mimo_v2_flash": "engine.backends.mimo_v2_flash",
     "step3p5": "engine.backends.step3p5",
     "glm_moe_dsa": "engine.backends.glm_moe_dsa",
+    "nemotron_h": "engine.backends.nemotron_h",
+    "hy_v3": "engine.backends.hy_v3",
 }
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 import pytest
 
-from engine.backends import deepseek_v3, glm4_moe, glm_moe_dsa, mimo_v2_flash, step3p5
+from engine.backends import deepseek_v3, glm4_moe, glm_moe_dsa, hy_v3, mimo_v2_flash, step3p5
 from engine.backends.base import Tape
 from engine.backends.descriptors import DESCRIPTORS
 from engine.checkpoint import load_weights, read_config
@@ -25,10 +25,11 @@ from tests.engine_helpers import assert_caches_close, assert_greedy_agree, greed
 from tests.floats import PATHS_ULPS, assert_close, excess
 
 BACKENDS = {"deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe, "glm_moe_dsa": glm_moe_dsa, "step3p5": step3p5,
-            "mimo_v2_flash": mimo_v2_flash}
+            "mimo_v2_flash": mimo_v2_flash, "hy_v3": hy_v3}
 FAMILIES = sorted(BACKENDS)
 NEW = ["glm_moe_dsa", "mimo_v2_flash", "step3p5"]  # trunks mlx-lm builds with other caches
-APPENDED = {"deepseek_v3", "glm4_moe", "glm_moe_dsa", "step3p5"}  # heads at model.layers.{N+i}
+OWN_TRUNK = ["hy_v3"]  # trunks mlx-lm has no model for, written in their backend
+APPENDED = {"deepseek_v3", "glm4_moe", "glm_moe_dsa", "step3p5", "hy_v3"}  # heads at model.layers.{N+i}
 DENSE_HEADS = {"mimo_v2_flash", "step3p5"}  # as released; the others' heads are MoE
 # The heads' copies of trunk tensors, where a family's checkpoints carry them.
 COPIES = {"deepseek_v3": ("embed_tokens.", "shared_head.head."), "glm4_moe": ("embed_tokens.", "shared_head.head."),
@@ -234,7 +235,7 @@ def test_index_selection_keeps_the_latest_of_exact_ties():
     assert glm_moe_dsa.select_top(masked, 3).tolist() == [[True, False, True, True]]
 
 
-@pytest.mark.parametrize("family", NEW)
+@pytest.mark.parametrize("family", [*NEW, *OWN_TRUNK])
 def test_greedy_mtp_equals_ar_at_every_depth(tmp_path, family):
     """Every head the checkpoint has (three, as MiMo-V2-Flash and Step-3.5 ship), at
     every depth the family drafts, then beyond the heads (the last head reused)."""

@@ -75,9 +75,10 @@ SAMPLERS = {
 }
 
 
-# attention-only (the embedded model), and GLM-5: sparse attention whose indexer keys roll
-# back with the KV (the prompt and its three tokens outgrow the fixture's index_topk)
-FAMILIES = ["mimo", "glm_moe_dsa"]
+# attention-only (the embedded model), GLM-5: sparse attention whose indexer keys roll
+# back with the KV (the prompt and its three tokens outgrow the fixture's index_topk), and
+# Nemotron-H: a hybrid whose Mamba2 conv window and SSM state roll back by replay
+FAMILIES = ["mimo", "glm_moe_dsa", "nemotron_h"]
 
 
 def _exactness(tmp_path, sampler_name: str, n: int, family: str = "mimo") -> float:

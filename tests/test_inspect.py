@@ -70,7 +70,8 @@ def test_weights_decide_over_config_count(tmp_path):
 
 
 def test_descriptors():
-    assert set(DESCRIPTORS) == set(FAMILIES)
+    # every family mtplxd runs has a tiny-checkpoint writer; those it cannot run yet say why
+    assert {f for f, d in DESCRIPTORS.items() if not d.unsupported} == set(FAMILIES)
     for d in DESCRIPTORS.values():
         assert d.family in d.model_types and d.head_count_fields and d.head_key_patterns
         assert all("{i}" in p or "{n+i}" in p for p in d.head_key_patterns)
@@ -138,7 +139,9 @@ def test_real_checkpoint_with_its_heads_removed(tmp_path, family):
     report = inspect_checkpoint(folder)
     assert (report.family, report.status, report.mtp_heads, report.depth_max) == (family, "ar-only", 0, 0)
     assert "no MTP head weights found" in report.reason
-    assert report.descriptor.backend_module == PLAIN_BACKEND
+    # mlx-lm runs it AR-only, or the family's own backend where mlx-lm has no model for it
+    own = before.descriptor.own_trunk
+    assert report.descriptor.backend_module == (before.descriptor.backend_module if own else PLAIN_BACKEND)
 
 
 # --- no head, partial head, unknown model -----------------------------------------------
@@ -152,12 +155,15 @@ def test_real_checkpoint_with_its_heads_removed(tmp_path, family):
     ("qwen3_5_moe", "language_model.mtp."),
     ("step3p5", "model.layers.{2+i}."),
     ("glm_moe_dsa", "model.layers.{2+i}."),
+    ("nemotron_h", "mtp.layers.{i}."),
+    ("hy_v3", "model.layers.{2+i}."),
 ])
 def test_config_names_heads_weights_lack_them(tmp_path, family, looked_for):
     report = inspect_checkpoint(write_layout(family, tmp_path, mtp_heads=0, config_heads=1))
     assert (report.family, report.status, report.mtp_heads, report.depth_max) == (family, "ar-only", 0, 0)
     assert looked_for in report.reason and "=1" in report.reason
-    assert report.descriptor.backend_module == PLAIN_BACKEND
+    own = DESCRIPTORS[family].own_trunk  # no mlx-lm model: its own backend runs it AR-only
+    assert report.descriptor.backend_module == (DESCRIPTORS[family].backend_module if own else PLAIN_BACKEND)
 
 
 @pytest.mark.parametrize("family, drop, missing", [
@@ -172,6 +178,13 @@ def test_config_names_heads_weights_lack_them(tmp_path, family, looked_for):
     ("mimo_v2_flash", ("mtp.layers.0.",), "MTP head 0 is missing"),
     ("step3p5", ("layers.3.transformer.shared_head.norm",), "model.layers.3.transformer.shared_head.norm.weight"),
     ("glm_moe_dsa", ("layers.2.self_attn.",), "model.layers.2.self_attn."),
+    # Nemotron-H: a head is two layers, the fusion on the first, the final norm on the last
+    ("nemotron_h", ("mtp.layers.2.eh_proj",), "mtp.layers.2.eh_proj.weight"),
+    ("nemotron_h", ("mtp.layers.1.final_layernorm",), "mtp.layers.1.final_layernorm.weight"),
+    ("nemotron_h", ("mtp.layers.3.mixer.",), "mtp.layers.3.mixer."),
+    ("nemotron_h", ("mtp.layers.3.",), "3 MTP layer(s) at mtp.layers.{i}.* do not make whole heads of 2 blocks"),
+    ("nemotron_h", ("mtp.layers.1.",), "MTP layer 1 is missing"),
+    ("hy_v3", ("layers.3.final_layernorm",), "model.layers.3.final_layernorm.weight"),
 ])
 def test_partial_head_is_unsupported(tmp_path, family, drop, missing):
     folder = write_layout(family, tmp_path, mtp_heads=2, drop=drop)
@@ -187,7 +200,7 @@ def test_mimo_v2_flash_without_heads_is_ar_only(tmp_path):
     assert "model.mtp.layers.{i}." in report.reason and report.descriptor.backend_module == PLAIN_BACKEND
 
 
-@pytest.mark.parametrize("family", ["mimo_v2_flash", "step3p5", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["mimo_v2_flash", "step3p5", "glm_moe_dsa", "nemotron_h"])
 def test_heads_without_a_buildable_trunk_are_unsupported(tmp_path, family, monkeypatch):
     """An mlx-lm too old to build the trunk: the heads are there, but nothing would run
     them; the report says so rather than promising MTP (or silently running AR)."""
@@ -199,6 +212,75 @@ def test_heads_without_a_buildable_trunk_are_unsupported(tmp_path, family, monke
     report = inspect_checkpoint(folder)
     assert (report.family, report.status, report.depth_max, report.descriptor) == (family, "unsupported", 0, None)
     assert f"no mlx_lm.models.{family}" in report.reason and "2 MTP head(s)" in report.reason
+
+
+@pytest.mark.parametrize("family", [f for f, d in DESCRIPTORS.items() if d.own_trunk and not d.unsupported])
+def test_own_trunk_needs_no_mlx_lm_model(tmp_path, family, monkeypatch):
+    """A family whose trunk its backend writes (mlx-lm has no model for it) is supported
+    whatever mlx-lm can build, and without heads its own backend runs it AR-only."""
+    import engine.backends.descriptors as descriptors
+
+    assert not descriptors.mlx_lm_can_build(family)
+    monkeypatch.setattr(descriptors, "mlx_lm_can_build", lambda model_type: False)
+    report = inspect_checkpoint(write_layout(family, tmp_path / "a", mtp_heads=2))
+    assert (report.status, report.mtp_heads, report.descriptor.backend_module) == (
+        "supported", 2, f"engine.backends.{family}")
+    bare = inspect_checkpoint(write_layout(family, tmp_path / "b", mtp_heads=0))
+    assert (bare.status, bare.depth_max, bare.descriptor.backend_module) == (
+        "ar-only", 0, f"engine.backends.{family}")
+
+
+@pytest.mark.parametrize("blocks, status, said", [
+    (["attention", "moe"], "supported", "2 layers each: attention, moe"),  # as released
+    ("*E", "supported", "2 layers each: attention, moe"),  # the older pattern string
+    (None, "supported", "2 layers each: attention, moe"),  # no field: transformers' default
+    (["attention", "mlp"], "supported", "2 layers each: attention, mlp"),
+    (["attention", "moe", "moe"], "unsupported", "4 MTP layer(s)"),  # not whole heads of 3
+    (["mamba", "attention"], "unsupported", "Mamba block"),
+    (["moe", "moe"], "unsupported", "exactly one attention block"),
+    ("*Q", "unsupported", "does not know"),
+])
+def test_nemotron_h_block_types(tmp_path, blocks, status, said):
+    """Nemotron-H heads span as many layers as the config names MTP blocks, in either
+    spelling; heads this engine cannot run (recurrent state, no or two KV caches) are
+    unsupported with the reason."""
+    folder = write_layout("nemotron_h", tmp_path, mtp_heads=2)
+    config = json.loads((folder / "config.json").read_text())
+    del config["mtp_layers_block_type"]
+    if isinstance(blocks, str):
+        config["mtp_hybrid_override_pattern"] = blocks
+    elif blocks is not None:
+        config["mtp_layers_block_type"] = blocks
+    (folder / "config.json").write_text(json.dumps(config))
+    report = inspect_checkpoint(folder)
+    assert (report.family, report.status) == ("nemotron_h", status) and said in report.reason, report.reason
+    assert (report.mtp_heads, report.depth_max) == ((2, 4) if status == "supported" else (report.mtp_heads, 0))
+
+
+def test_nemotron_h_repeated_head_counts_by_weights(tmp_path):
+    """A config counting more depths than the weights hold heads (a head trained to be
+    reused): the weights decide, and depths beyond reuse the last head."""
+    report = inspect_checkpoint(write_layout("nemotron_h", tmp_path, mtp_heads=1, config_heads=2))
+    assert (report.status, report.mtp_heads, report.depth_max) == ("supported", 1, 4)
+    assert "num_nextn_predict_layers=2" in report.reason
+
+
+def test_deepseek_v4_heads_are_counted_but_unsupported(tmp_path):
+    """DeepSeek-V4's heads (`mtp.{i}.*`, separate e_proj / h_proj) are recognised and
+    counted, but no backend runs its trunk: unsupported, with why, never AR in its place;
+    without heads, or with a partial head, it says so too."""
+    report = inspect_checkpoint(write_layout("deepseek_v4", tmp_path / "a", mtp_heads=1))
+    assert (report.family, report.status, report.mtp_heads, report.depth_max, report.descriptor) == (
+        "deepseek_v4", "unsupported", 1, 0, None)
+    assert "1 MTP head(s) at mtp.{i}.*" in report.reason and "compressed sparse attention" in report.reason
+    assert report.head_keys_found and report.head_keys_found[0].startswith("mtp.0.")
+    bare = inspect_checkpoint(write_layout("deepseek_v4", tmp_path / "b", mtp_heads=0, config_heads=1))
+    assert (bare.status, bare.mtp_heads, bare.descriptor) == ("unsupported", 0, None)
+    assert "no MTP head weights found (looked for mtp.{i}.*)" in bare.reason and "hyper-connections" in bare.reason
+    partial = inspect_checkpoint(write_layout("deepseek_v4", tmp_path / "c", mtp_heads=1, drop=("mtp.0.h_proj",)))
+    assert partial.status == "unsupported" and "missing mtp.0.h_proj.weight" in partial.reason
+    result = cli("inspect", "--json", str(tmp_path / "a"))
+    assert result.returncode == 4 and json.loads(result.stdout)["status"] == "unsupported"
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "mistral"])

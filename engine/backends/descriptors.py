@@ -39,7 +39,16 @@ class BackendDescriptor:
     beside the layers (under the pattern's text before `layers.{i}.`).
     depth_range: usable draft depths; a depth beyond the head count reuses
     the last head recurrently. norm_shift: zero-centred (Qwen) norms whose +1
-    must be applied exactly once, the MTP norms included.
+    must be applied exactly once, the MTP norms included. own_trunk: the backend
+    writes the trunk itself (mlx-lm has no model for it), so what mlx-lm can build
+    does not matter, and without heads the family's own backend runs it AR-only.
+    block_types_fields: config fields naming the blocks one head is made of
+    (Nemotron-H: a list such as ["attention", "moe"] or a pattern string such as
+    "*E"); a head then spans that many consecutive layers of the pattern:
+    head_parts are then those of its first layer, last_parts those of its last,
+    layer_parts those of every one. unsupported: why mtplxd cannot run the family
+    yet (its heads are recognised and counted, and inspect says this instead of
+    promising MTP or running AR in its place).
     """
 
     family: str
@@ -52,6 +61,11 @@ class BackendDescriptor:
     sampler_defaults: SamplerDefaults = SamplerDefaults(0.7, 0.95)
     depth_range: tuple[int, int] = (1, 4)
     norm_shift: bool = False
+    own_trunk: bool = False
+    block_types_fields: tuple[str, ...] = ()
+    last_parts: tuple[str, ...] = ()
+    layer_parts: tuple[str, ...] = ()
+    unsupported: str = ""
 
 
 _BLOCK = ("input_layernorm.weight", "self_attn.", "post_attention_layernorm.weight", "mlp.")
@@ -59,6 +73,14 @@ _NEXTN_PARTS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.n
 _QWEN_PATTERNS = ("mtp.layers.{i}.", "model.language_model.mtp.layers.{i}.", "language_model.mtp.layers.{i}.")
 _QWEN_SHARED = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
 _NEXTN = "num_nextn_predict_layers"
+# Nemotron-H's MTP blocks: the released configs list them (`mtp_layers_block_type`),
+# older ones give a pattern string (`mtp_hybrid_override_pattern`, the trunk's
+# `hybrid_override_pattern` alphabet); either field may hold either spelling.
+_NEMOTRON_BLOCKS = ("mtp_layers_block_type", "mtp_hybrid_override_pattern")
+NEMOTRON_DEFAULT_BLOCKS = ("attention", "moe")  # transformers' default for the field
+_BLOCK_SYMBOLS = {"*": "attention", "E": "moe", "-": "mlp", "M": "mamba"}
+_BLOCK_NAMES = {"attention": "attention", "full_attention": "attention", "moe": "moe", "mlp": "mlp",
+                "mamba": "mamba", "linear_attention": "mamba"}
 _QWEN_COUNT = "mtp_num_hidden_layers"
 
 
@@ -100,12 +122,65 @@ DESCRIPTORS: dict[str, BackendDescriptor] = {
             ("enorm.weight", "hnorm.weight", "eh_proj.weight", "transformer.shared_head.norm.weight", *_BLOCK),
             sampler_defaults=SamplerDefaults(1.0, 0.95), norm_shift=True,
         ),
+        BackendDescriptor(
+            "nemotron_h", ("nemotron_h",), "engine.backends.nemotron_h", (_NEXTN,), ("mtp.layers.{i}.",),
+            ("enorm.weight", "hnorm.weight", "eh_proj.weight"),
+            sampler_defaults=SamplerDefaults(1.0, 1.0), block_types_fields=_NEMOTRON_BLOCKS,
+            last_parts=("final_layernorm.weight",), layer_parts=("norm.weight", "mixer."),
+        ),
         _qwen("qwen3_next", ("qwen3_next",), SamplerDefaults(0.7, 0.8, 20)),
         _qwen("qwen3_5", ("qwen3_5", "qwen3_5_text"), SamplerDefaults(0.6, 0.95, 20)),
         _qwen("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), SamplerDefaults(0.6, 0.95, 20)),
+        BackendDescriptor(
+            "hy_v3", ("hy_v3",), "engine.backends.hy_v3", (_NEXTN,), ("model.layers.{n+i}.",),
+            ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight", *_BLOCK),
+            own_trunk=True,
+        ),
+        BackendDescriptor(
+            "deepseek_v4", ("deepseek_v4",), "engine.backends.deepseek_v4", (_NEXTN,), ("mtp.{i}.",),
+            ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "norm.weight", "hc_head_fn",
+             "hc_head_base", "hc_head_scale", "attn_norm.weight", "attn.", "ffn_norm.weight", "ffn."),
+            sampler_defaults=SamplerDefaults(1.0, 1.0), own_trunk=True,
+            unsupported=("mtplxd has no DeepSeek-V4 trunk yet: its compressed sparse attention keeps "
+                         "compressor state over blocks of 4 and 128 tokens (plus a lightning indexer) "
+                         "that a rejected draft must roll back, and its hyper-connections "
+                         "(Sinkhorn-mixed residual streams, which also feed the MTP head) are not "
+                         "written; no backend runs it, so neither MTP nor AR"),
+        ),
     )
 }
 _BY_MODEL_TYPE = {t: d for d in DESCRIPTORS.values() for t in d.model_types}
+
+
+def head_block_types(config: dict[str, Any], fields: tuple[str, ...] = _NEMOTRON_BLOCKS) -> tuple[str, ...]:
+    """The blocks one MTP head is made of, as names ("attention", "moe", "mlp",
+    "mamba"), from the first of `fields` the config sets: a list of block names or a
+    pattern string of the trunk's symbols (`*` attention, `E` moe, `-` mlp, `M`
+    mamba). Neither set: transformers' default, attention then MoE. Raises
+    ValueError for a block it does not know."""
+    tc = text_config(config)
+    value = next((tc[f] for f in fields if tc.get(f)), None)
+    if value is None:
+        return NEMOTRON_DEFAULT_BLOCKS
+    if isinstance(value, str):
+        names = [_BLOCK_SYMBOLS.get(symbol) for symbol in value]
+    elif isinstance(value, list) and all(isinstance(t, str) for t in value):
+        names = [_BLOCK_NAMES.get(t) for t in value]
+    else:
+        raise ValueError(f"config.json {fields[0]} is neither a list of block types nor a pattern string")
+    if None in names:
+        raise ValueError(f"config.json names an MTP block type this engine does not know: {value!r}")
+    return tuple(str(n) for n in names)
+
+
+def head_blocks_problem(blocks: tuple[str, ...]) -> str | None:
+    """Why heads made of `blocks` cannot run here (None: they can). A head keeps one
+    KV cache and no recurrent state: exactly one attention block, no Mamba block."""
+    if "mamba" in blocks:
+        return f"MTP blocks {list(blocks)} include a Mamba block; only attention, MoE and MLP heads run here"
+    if blocks.count("attention") != 1:
+        return f"MTP blocks {list(blocks)} need exactly one attention block (a head keeps one KV cache)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -273,24 +348,37 @@ def _with_family(d: BackendDescriptor, config: dict[str, Any], keys: Collection[
     scans = [_scan(p, n_layers or 0, keys, bool(d.shared_parts)) for p in d.head_key_patterns]
     found = next((s for s in scans if s.parts or s.shared), None)
     count = next(((f, tc[f]) for f in d.head_count_fields if isinstance(tc.get(f), int)), None)
-    if found is None and not mlx_lm_can_build(mlx_model_type(config)):
+    if found is None and not d.own_trunk and not mlx_lm_can_build(mlx_model_type(config)):
         why = f"no MTP head weights and mlx-lm cannot build model_type {config['model_type']!r}"
         return InspectReport(d.family, 0, 0, "unsupported", why)
+    if found is None and d.unsupported:
+        looked = ", ".join(s.pattern + "*" for s in scans)
+        return InspectReport(d.family, 0, 0, "unsupported",
+                             f"no MTP head weights found (looked for {looked}), and {d.unsupported}")
     if found is None:
         return _ar_only(d, scans, count)
-    problem = _incomplete(d, found)
+    problem = None
+    if d.block_types_fields:
+        found, problem = _grouped(d, tc, found)
+    problem = problem or _incomplete(d, found)
     examples = tuple(found.prefixes[i] + min(found.parts[i]) for i in sorted(found.parts)[:3])
     examples += tuple(found.root + s for s in sorted(found.shared)[:1])
     if problem:
         return InspectReport(d.family, len(found.parts), 0, "unsupported", problem, examples)
     n_heads = len(found.parts)
+    if d.unsupported:
+        return InspectReport(d.family, n_heads, 0, "unsupported",
+                             f"{n_heads} MTP head(s) at {found.pattern}*, but {d.unsupported}", examples)
     built = mlx_model_type(config)
-    if not mlx_lm_can_build(built):
+    if not d.own_trunk and not mlx_lm_can_build(built):
         why = (f"{n_heads} MTP head(s) at {found.pattern}*, but the installed mlx-lm cannot build the "
                f"{config['model_type']!r} trunk (no mlx_lm.models.{built}); a newer mlx-lm may")
         return InspectReport(d.family, n_heads, 0, "unsupported", why, examples)
     depth_max = max(d.depth_range[1], n_heads)
     reason = f"{n_heads} MTP head(s) at {found.pattern}*; drafts up to depth {depth_max}"
+    if d.block_types_fields:
+        blocks = head_block_types(tc, d.block_types_fields)
+        reason = reason.replace("*;", f"* ({len(blocks)} layers each: {', '.join(blocks)});", 1)
     if count and count[1] != n_heads:
         reason += f" (config says {count[0]}={count[1]}; the weights decide)"
     return InspectReport(d.family, n_heads, depth_max, "supported", reason, examples, d)
@@ -300,7 +388,8 @@ def _ar_only(d: BackendDescriptor, scans: list[_Heads], count: tuple[str, int] |
     looked = ", ".join((s.root if d.shared_parts else s.pattern) + "*" for s in scans)
     said = f"config says {count[0]}={count[1]} but " if count and count[1] else ""
     reason = f"{said}no MTP head weights found (looked for {looked}); AR decoding only"
-    plain = replace(d, backend_module=PLAIN_BACKEND, depth_range=(0, 0))
+    # mlx-lm runs the trunk AR-only, or the family's own backend where mlx-lm has no model.
+    plain = replace(d, backend_module=d.backend_module if d.own_trunk else PLAIN_BACKEND, depth_range=(0, 0))
     return InspectReport(d.family, 0, 0, "ar-only", reason, (), plain)
 
 
@@ -320,6 +409,35 @@ def _incomplete(d: BackendDescriptor, found: _Heads) -> str | None:
     if missing:
         return "MTP head is incomplete: missing " + ", ".join(found.root + m for m in missing)
     return None
+
+
+def _grouped(d: BackendDescriptor, tc: dict[str, Any], layers: _Heads) -> tuple[_Heads, str | None]:
+    """Layers found (one per index) -> heads of len(blocks) consecutive layers each (their
+    first layer's prefix and parts), with what is wrong with the layers, if anything."""
+    try:
+        blocks = head_block_types(tc, d.block_types_fields)
+    except ValueError as e:
+        return layers, str(e)
+    problem = head_blocks_problem(blocks)
+    if problem:
+        return layers, problem
+    span, indices = len(blocks), sorted(layers.parts)
+    gaps = sorted(set(range(indices[-1])) - set(indices))
+    if gaps:
+        return layers, f"MTP layer {gaps[0]} is missing (found layers {indices} at {layers.pattern}*)"
+    if len(indices) % span:
+        return layers, (f"{len(indices)} MTP layer(s) at {layers.pattern}* do not make whole heads of "
+                        f"{span} blocks ({', '.join(blocks)})")
+    for j in indices:
+        wanted = d.layer_parts + (d.last_parts if j % span == span - 1 else ())
+        missing = _missing(wanted, layers.parts[j])
+        if missing:
+            names = ", ".join(layers.prefixes[j] + m for m in missing)
+            return layers, f"MTP layer {j} ({blocks[j % span]} block of head {j // span}) is incomplete: missing {names}"
+    heads = _Heads(layers.pattern, {}, {}, layers.root, layers.shared)
+    for i in range(len(indices) // span):
+        heads.prefixes[i], heads.parts[i] = layers.prefixes[i * span], layers.parts[i * span]
+    return heads, None
 
 
 def head_key_predicate(d: BackendDescriptor, n_layers: int) -> Callable[[str], bool]:

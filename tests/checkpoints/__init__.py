@@ -19,6 +19,8 @@ FAMILIES = {
     "mimo_v2_flash": "mimo_v2_flash",
     "step3p5": "step3p5",
     "glm_moe_dsa": "glm_moe_dsa",
+    "nemotron_h": "nemotron_h",
+    "hy_v3": "hy_v3",
 }
 
 

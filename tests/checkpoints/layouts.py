@@ -18,10 +18,13 @@ from safetensors.numpy import save_file
 
 SAME = "same"  # config_heads: write the MTP count field with mtp_heads
 N_LAYERS = {"mimo": 2, "deepseek_v3": 2, "glm4_moe": 2, "qwen3_next": 4, "qwen3_5": 4,
-            "qwen3_5_moe": 4, "mimo_v2_flash": 2, "step3p5": 2, "glm_moe_dsa": 2,
+            "qwen3_5_moe": 4, "mimo_v2_flash": 2, "step3p5": 2, "glm_moe_dsa": 2, "hy_v3": 2, "deepseek_v4": 2,
+            "nemotron_h": 3,
             "qwen2": 2, "llama": 2, "mistral": 2, "frobnicator": 2}
 LAYOUTS = tuple(N_LAYERS)
-MTP_FAMILIES = LAYOUTS[:9]
+# Families whose heads are recognised but which mtplxd cannot run yet (inspect: unsupported, with why).
+UNSUPPORTED_FAMILIES = ("deepseek_v4",)
+MTP_FAMILIES = tuple(f for f in LAYOUTS if f not in ("qwen2", "llama", "mistral", "frobnicator", *UNSUPPORTED_FAMILIES))
 _BASE = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
          "num_key_value_heads": 1, "vocab_size": 48, "rms_norm_eps": 1e-6,
          "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": False}
@@ -176,6 +179,83 @@ def _glm_moe_dsa(n: int, heads: int, root: str):
     return config, trunk, mtp, "num_nextn_predict_layers"
 
 
+def _hy_v3(n: int, heads: int, root: str):
+    config = {"architectures": ["HYV3ForCausalLM"], "model_type": "hy_v3", "num_experts": 2,
+              "num_experts_per_tok": 1, "num_shared_experts": 1, "moe_intermediate_size": 8,
+              "expert_hidden_dim": 8, "first_k_dense_replace": 1, "qk_norm": True, "head_dim": 4,
+              "route_norm": True, "router_scaling_factor": 2.826,
+              "rope_parameters": {"rope_theta": 11158840.0, "rope_type": "default"}}
+
+    def layer(p: str, i: int) -> list[str]:
+        moe = [p + "mlp.router.gate.weight", p + "mlp.expert_bias"] + [
+            k for e in range(2) for k in _proj(f"{p}mlp.experts.{e}.", "gate up down")] + _proj(
+            p + "mlp.shared_mlp.", "gate up down")
+        return _block(p, _mha(p, qk_norm=True), _mlp(p) if i == 0 else moe)
+
+    trunk = _trunk("model.", n, layer)
+    # No copies of the embedding or output head in Hy-V3's MTP layer.
+    mtp = [k for i in range(n, n + heads) for k in layer(f"model.layers.{i}.", i) + [
+        f"model.layers.{i}.{x}.weight" for x in ("enorm", "hnorm", "eh_proj", "final_layernorm")]]
+    return config, trunk, mtp, "num_nextn_predict_layers"
+
+
+def _nemotron_mixer(p: str, symbol: str) -> list[str]:
+    """One Nemotron-H block (`norm`, `mixer.*`) of type M (Mamba2), * (attention) or E (MoE)."""
+    m = p + "mixer."
+    if symbol == "M":
+        mixer = [m + x for x in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias",
+                                 "norm.weight", "out_proj.weight")]
+    elif symbol == "*":
+        mixer = _proj(m, "q k v o")
+    else:
+        mixer = [m + "gate.weight", m + "gate.e_score_correction_bias"] + [
+            k for e in range(2) for k in _proj(f"{m}experts.{e}.", "up down")] + _proj(m + "shared_experts.", "up down")
+    return [p + "norm.weight"] + mixer
+
+
+def _nemotron_h(n: int, heads: int, root: str):
+    pattern = "ME*"[:n]
+    config = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+              "hybrid_override_pattern": pattern, "mtp_layers_block_type": ["attention", "moe"],
+              "mamba_num_heads": 2, "mamba_head_dim": 4, "n_groups": 1, "ssm_state_size": 4, "conv_kernel": 4,
+              "n_routed_experts": 2, "n_shared_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 8,
+              "moe_shared_expert_intermediate_size": 8, "layer_norm_epsilon": 1e-5}
+    trunk = ["backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head.weight"]
+    trunk += [k for i, s in enumerate(pattern) for k in _nemotron_mixer(f"backbone.layers.{i}.", s)]
+    mtp = []
+    for k in range(heads):  # a head: an attention layer with the fusion, then an MoE layer with the final norm
+        first, last = f"mtp.layers.{2 * k}.", f"mtp.layers.{2 * k + 1}."
+        mtp += [first + x for x in ("enorm.weight", "hnorm.weight", "eh_proj.weight")] + _nemotron_mixer(first, "*")
+        mtp += _nemotron_mixer(last, "E") + [last + "final_layernorm.weight"]
+    return config, trunk, mtp, "num_nextn_predict_layers"
+
+
+def _deepseek_v4(n: int, heads: int, root: str):
+    # DeepSeek's own names (not model.*): embed, layers.{i}.attn / ffn, hc_* hyper-connection
+    # tensors, head; MTP layers under mtp.{i}. with separate e_proj / h_proj.
+    config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "n_routed_experts": 2,
+              "n_shared_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 8, "hc_mult": 4,
+              "q_lora_rank": 4, "head_dim": 8, "qk_rope_head_dim": 2, "o_groups": 2, "o_lora_rank": 4,
+              "index_n_heads": 2, "index_head_dim": 4, "index_topk": 4, "sliding_window": 4,
+              "compress_ratios": [0] * n, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus"}
+
+    def layer(p: str, i: int) -> list[str]:
+        attn = [f"{p}attn.{x}" for x in ("wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight",
+                                          "kv_norm.weight", "wo_a.weight", "wo_b.weight", "attn_sink")]
+        ffn = [p + "ffn.gate.weight", p + "ffn.gate." + ("tid2eid" if i == 0 else "bias")] + [
+            f"{p}ffn.experts.{e}.w{w}.weight" for e in range(2) for w in (1, 2, 3)] + [
+            f"{p}ffn.shared_experts.w{w}.weight" for w in (1, 2, 3)]
+        hc = [f"{p}hc_{part}_{x}" for part in ("attn", "ffn") for x in ("fn", "base", "scale")]
+        return [p + "attn_norm.weight", p + "ffn_norm.weight"] + attn + ffn + hc
+
+    trunk = ["embed.weight", "norm.weight", "head.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"]
+    trunk += [k for i in range(n) for k in layer(f"layers.{i}.", i)]
+    mtp = [k for i in range(heads) for k in layer(f"mtp.{i}.", n + i) + [
+        f"mtp.{i}.{x}" for x in ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "norm.weight",
+                                  "hc_head_fn", "hc_head_base", "hc_head_scale")]]
+    return config, trunk, mtp, "num_nextn_predict_layers"
+
+
 def _qwen(family: str, n: int, heads: int, root: str):
     qwen3_5 = family != "qwen3_next"
     moe = family != "qwen3_5"
@@ -224,6 +304,12 @@ def _family(family: str, n: int, heads: int, root: str):
         return _step3p5(n, heads, root)
     if family == "glm_moe_dsa":
         return _glm_moe_dsa(n, heads, root)
+    if family == "hy_v3":
+        return _hy_v3(n, heads, root)
+    if family == "deepseek_v4":
+        return _deepseek_v4(n, heads, root)
+    if family == "nemotron_h":
+        return _nemotron_h(n, heads, root)
     if family.startswith("qwen3_") and family in MTP_FAMILIES:
         return _qwen(family, n, heads, root)
     return _plain(family, n, heads, root)
