@@ -255,7 +255,8 @@ async def test_type_ahead_and_settings(lsp_env, folders):
 @pytest.mark.anyio
 async def test_the_debounce_follows_the_typist(lsp_env, folders):
     for gap_s, options, expected in ((0.03, None, (20, 100)), (0.3, None, (120, 120)),
-                                     (0.03, {"mtplxd": {"clientDebounces": True}}, (0, 0))):
+                                     (0.03, {"mtplxd": {"clientDebounces": True}}, (0, 0)),
+                                     (0.03, {"mtplxd": {"adaptiveDebounce": False}}, (120, 120))):
         async with lsp(lsp_env, folders["a"], options=options) as (client, _):
             uri = open_doc(client, folders["a"] / "pace.py", "x = 1\n")
             for i, ch in enumerate("value = compute(1)"):  # a typist: one edit per gap
@@ -283,6 +284,25 @@ def _end_of(line: int, character: int, inserted: str) -> tuple[int, int]:
 
 
 @pytest.mark.anyio
+async def test_an_accept_before_its_prefetch_started_does_not_wait_for_it(lsp_env, folders):
+    """Behind a normal-priority stream a background prefetch stays queued; the accept asks at
+    interactive priority at once rather than wait behind the stream."""
+    from mtplxd.bench.serve import busy_streams
+
+    async with lsp(lsp_env, folders["a"]) as (client, _):
+        uri = open_doc(client, folders["a"] / "late.py", "def add(a, b):\n    ")
+        base_url = daemon_client.daemon_url(Path(lsp_env["MTPLXD_HOME"]))
+        assert base_url is not None
+        with busy_streams(base_url, 1):
+            [shown] = await texts(client, uri, 1, 4)
+            edit(client, uri, 2, 1, 4, shown)  # accepted at once
+            await texts(client, uri, *_end_of(1, 4, shown), AUTOMATIC)
+            report = await status(client)
+        assert report["connection"]["prefetch_late"] == 1 and report["connection"]["prefetch_hits"] == 0
+        assert report["connection"]["answered"] == 2
+
+
+@pytest.mark.anyio
 async def test_an_accepted_suggestion_is_followed_by_a_prefetched_one(lsp_env, folders):
     done = lambda report: report["prefetchJobs"]["jobs_completed"] + report["prefetchJobs"]["jobs_cancelled"] >= 1  # noqa: E731
     async with lsp(lsp_env, folders["a"]) as (client, _):
@@ -304,6 +324,60 @@ async def test_an_accepted_suggestion_is_followed_by_a_prefetched_one(lsp_env, f
         await texts(client, uri, line, character + len("  # another thought"))
         report = await status(client)
         assert report["connection"]["prefetch_hits"] == 1 and report["connection"]["jobs_started"] == jobs + 1
+
+
+@pytest.mark.anyio
+async def test_a_partial_accept_is_served_from_the_same_generation(lsp_env, folders):
+    """Accepting a word, then the rest of the line, then the rest: type-ahead answers from the
+    suggestion shown, and the prefetch computed for its end still answers the last request."""
+    done = lambda report: report["prefetchJobs"]["jobs_completed"] >= 1  # noqa: E731
+    async with lsp(lsp_env, folders["a"]) as (client, _):
+        uri = open_doc(client, folders["a"] / "partial.py", "def add(a, b):\n    ")
+        [shown] = await texts(client, uri, 1, 4)
+        await wait_for(client, done, 30)
+        jobs = (await status(client))["connection"]["jobs_started"]
+        word = len(shown) - len(shown.lstrip())
+        word += len(shown[word:]) - len(shown[word:].lstrip("abcdefghijklmnopqrstuvwxyz_0123456789")) or 1
+        line = shown.find("\n", word) + 1 or len(shown)
+        cuts = sorted({min(word, len(shown) - 1), line, len(shown)})
+        version, at, done_chars = 2, (1, 4), 0
+        for cut in cuts:
+            part = shown[done_chars:cut]
+            edit(client, uri, version, *at, part)  # the editor inserts the accepted part
+            version, at, done_chars = version + 1, _end_of(*at, part), cut
+            answer = await texts(client, uri, *at, AUTOMATIC)
+            if cut < len(shown):
+                assert answer == [shown[cut:]]  # the rest of the same suggestion
+        report = await status(client)
+        assert report["connection"]["cache_hits"] == len(cuts) - 1 and report["connection"]["prefetch_hits"] == 1
+        assert report["connection"]["jobs_started"] == jobs  # no engine job for any of it
+
+
+@pytest.mark.anyio
+async def test_cross_file_context_comes_first_and_stays_cached(lsp_env, folders):
+    """Chunks of the other open files of the workspace go before the current file; a second
+    request at the same place restores them (and the file up to the cursor) from the bank."""
+    short = {"mtplxd": {"lineMaxTokens": 2, "maxTokens": 2, "prefetch": False}}  # each job ends with its usage
+    async with lsp(lsp_env, folders["a"], folders["b"], options=short) as (client, _):
+        open_doc(client, folders["a"] / "util.py", "def noise():\n    return 0\n")
+        open_doc(client, folders["a"] / "hdr.py", "def parse_header(line):\n    name, value = line.split(':')\n"
+                                                  "    return name.strip(), value.strip()\n")
+        open_doc(client, folders["b"] / "away.py", "def parse_header():\n    pass\n")  # another workspace
+        uri = open_doc(client, folders["a"] / "main.py", "from hdr import parse_header\n\n"
+                                                           "name, value = parse_header(line)\n")
+        await texts(client, uri, 3, 0)
+        first = (await status(client))["lastPrompt"]
+        assert [c["path"] for c in first["context"]] == ["util.py", "hdr.py"]  # the related file nearest
+        assert first["contextTokens"] > 0 and first["cachedTokens"] < first["contextTokens"]  # cold
+
+        [shown] = (await texts(client, uri, 3, 0)) or [""]
+        typed = "y" if shown.startswith("x") else "x"  # not the suggestion's start: no type-ahead answer
+        edit(client, uri, 2, 3, 0, typed)
+        await texts(client, uri, 3, 1)
+        second = (await status(client))["lastPrompt"]
+        assert second["context"] == first["context"] and second["contextTokens"] == first["contextTokens"]
+        assert second["cachedTokens"] >= second["contextTokens"]
+        assert second["promptTokens"] - second["cachedTokens"] <= 8, second  # only what the keystroke changed
 
 
 @pytest.mark.anyio
@@ -484,7 +558,7 @@ def test_prompts_budget_and_stable_context(checkpoint):
     lines = "".join(f"line{i} = {i}\n" for i in range(200))
     snap = snapshot("file:///w/a.py", _Doc(lines + "x = "), 200, 4)
     options = Options(context_tokens=400)
-    ids, heal = builder.build(snap, options)
+    ids, heal, _ = builder.build(snap, options)
     assert ids[0] == builder.fim.prefix and ids[-1] == builder.fim.middle
     assert len(ids) <= 400 + 3
     text = builder.tokenizer.decode(ids[1:ids.index(builder.fim.suffix)])
@@ -493,9 +567,9 @@ def test_prompts_budget_and_stable_context(checkpoint):
     assert 160 < first and first % 4 == 0  # 28 lines fit: steps of 4
 
     other = [ContextDocument("file:///w/b.py", 3, "b.py", "python", "def helper():\n    return 42\n")]
-    one, heal_one = builder.build(snap, options, "a.py", other)
+    one, heal_one, _ = builder.build(snap, options, "a.py", other)
     snap2 = snapshot("file:///w/a.py", _Doc(lines + "x = h", 2), 200, 5)
-    two, heal_two = builder.build(snap2, options, "a.py", other)
+    two, heal_two, _ = builder.build(snap2, options, "a.py", other)
     context_text = builder.tokenizer.decode(one[:one.index(builder.fim.suffix)])
     assert context_text.startswith("<|fim_prefix|># b.py\ndef helper():\n    return 42")  # other files first
     assert "# a.py\nline1" in context_text
@@ -507,8 +581,9 @@ def test_prompts_budget_and_stable_context(checkpoint):
 
 
 def test_prompts_of_a_suffix_prefix_middle_model(checkpoint, tmp_path):
-    """A model trained SPM (tokenizer_config.json "fim_order": "spm") gets its suffix first; the
-    other files and the prefix come last, right before the middle, and survive keystrokes."""
+    """A model trained SPM (tokenizer_config.json "fim_order": "spm") gets the other files first,
+    as plain documents ended by end-of-text (as in its training stream), then its suffix, then
+    the prefix right before the middle; the other files survive a move to another line too."""
     import json
     import shutil
 
@@ -523,11 +598,65 @@ def test_prompts_of_a_suffix_prefix_middle_model(checkpoint, tmp_path):
     builder = PromptBuilder(load_tokenizer(folder))
     other = [ContextDocument("file:///w/b.py", 3, "b.py", "python", "def helper():\n    return 42\n")]
     snap = snapshot("file:///w/a.py", _Doc("import os\nx = \nprint(x)\n"), 1, 4)
-    ids, heal = builder.build(snap, Options(context_tokens=400), "a.py", other)
-    assert ids[:2] == [builder.fim.prefix, builder.fim.suffix] and ids.count(builder.fim.middle) == 1
+    ids, heal, context_tokens = builder.build(snap, Options(context_tokens=400), "a.py", other)
+    assert ids.count(builder.fim.middle) == 1
     text = builder.tokenizer.decode(ids)
-    assert text.startswith("<|fim_prefix|><|fim_suffix|>\nprint(x)\n<|fim_middle|># b.py\ndef helper():")
-    assert text.endswith("# a.py\nimport os\nx =") and heal.text == " "
+    assert text.startswith("# b.py\ndef helper():\n    return 42\n<|endoftext|><|fim_prefix|><|fim_suffix|>"
+                           "\nprint(x)\n<|fim_middle|># a.py\nimport os\nx =") and heal.text == " "
+    assert builder.tokenizer.decode(ids[:context_tokens]).endswith("<|endoftext|>")
     snap2 = snapshot("file:///w/a.py", _Doc("import os\nx = h\nprint(x)\n", 2), 1, 5)
-    two, _ = builder.build(snap2, Options(context_tokens=400), "a.py", other)
+    two, _, _ = builder.build(snap2, Options(context_tokens=400), "a.py", other)
     assert two[: len(ids) - 1] == ids[:-1]
+    elsewhere, _, _ = builder.build(snapshot("file:///w/a.py", _Doc("import os\nx = h\nprint(x)\n", 2), 0, 0),
+                                    Options(context_tokens=400), "a.py", other)
+    assert elsewhere[:context_tokens] == ids[:context_tokens]  # another place, another suffix: same context
+
+
+def test_chunk_ring_recency_similarity_budget_and_stability():
+    from adapters.lsp.context import CHUNK_LINES, KEEP_LINES, ChunkRing, OpenDocument, as_documents
+
+    def doc(name: str, text: str, version: int = 1) -> OpenDocument:
+        return OpenDocument(f"file:///w/{name}", version, name, "python", tuple(text.splitlines(True)))
+
+    count = lambda line: len(line.split()) + 1  # noqa: E731 (a stand-in tokenizer: words)
+    current = doc("main.py", "import hdr\n\nname, value = hdr.parse_header(raw_line)\n")
+    related = doc("hdr.py", "".join(f"# filler {i}\n" for i in range(CHUNK_LINES))
+                  + "def parse_header(raw_line):\n    name, value = raw_line.split(':')\n")
+    recent = doc("noise.py", "def unrelated_thing():\n    return 0\n")
+
+    def filled() -> ChunkRing:
+        ring = ChunkRing(size=3)
+        ring.touch(related.uri, CHUNK_LINES + 1)  # an edit in hdr.py's second chunk
+        ring.touch(related.uri, 0)  # its first chunk, viewed
+        ring.touch(recent.uri, 0)  # the most recent, but unrelated
+        return ring
+
+    [only] = filled().select(current, 2, [related, recent], 14, count)  # a small budget: the best chunk alone
+    assert (only.path, only.start) == ("hdr.py", CHUNK_LINES)
+    ring = filled()
+    chosen = ring.select(current, 2, [related, recent], 1000, count)
+    assert [(c.path, c.start) for c in chosen][-1] == ("hdr.py", CHUNK_LINES)  # the similar chunk nearest the cursor
+    assert {(c.path, c.start) for c in chosen} == {("hdr.py", 0), ("hdr.py", CHUNK_LINES), ("noise.py", 0)}
+
+    # Stable between keystrokes: the same choice while the cursor stays near where it was made
+    # and the other files do not change, even though touches reorder the ring.
+    ring.touch(related.uri, 0)
+    typed = doc("main.py", "import hdr\n\nname, value = hdr.parse_header(raw_line)\nx", version=2)
+    assert ring.select(typed, 3, [related, recent], 1000, count) is chosen
+    assert ring.select(typed, 2 + KEEP_LINES, [related, recent], 1000, count) is chosen
+    assert ring.select(typed, 3 + KEEP_LINES, [related, recent], 1000, count) is not chosen  # moved away
+    edited = doc("noise.py", "def unrelated_thing():\n    return 1\n", version=2)
+    assert ring.select(typed, 3, [related, edited], 1000, count) is not chosen  # another file changed
+
+    [hdr, noise] = as_documents(sorted(chosen, key=lambda c: (c.path, c.start)))
+    assert hdr.text.startswith("# filler 0\n") and "# filler 15\ndef parse_header" in hdr.text  # adjacent: no gap
+    assert noise.text == "def unrelated_thing():\n    return 0\n"
+    [gap] = as_documents([c for c in chosen if c.start == CHUNK_LINES])
+    assert gap.text.startswith("# ...\ndef parse_header")  # lines left out are marked
+
+    ring.touch(current.uri, 0)  # a fourth chunk: the oldest (hdr.py's second) leaves the ring
+    assert len(ring) == 3
+    assert ("hdr.py", CHUNK_LINES) not in {(c.path, c.start) for c in ring.select(current, 40, [related, recent], 1000,
+                                                                                  count)}
+    ring.forget(related.uri)
+    assert {c.path for c in ring.select(current, 2, [related, recent], 1000, count)} == {"noise.py"}

@@ -18,7 +18,7 @@ from pygls.exceptions import JsonRpcException
 
 from adapters.lsp.documents import Options, PromptBuilder
 from adapters.lsp.postprocess import Cursor, trim
-from mtplxd.requests import Done, Failed, TextDelta, TextRequest
+from mtplxd.requests import Done, Failed, TextDelta, TextRequest, Usage
 from mtplxd.runtime import ModelInfo, Runtime
 from mtplxd.requests import NotReady, QueueFull
 
@@ -41,15 +41,27 @@ class ConnectionStats:
     cache_hits: int = 0  # ... answered by type-ahead
     prefetch_started: int = 0  # suggestions computed ahead, for when the one shown is accepted
     prefetch_hits: int = 0  # ... answered from one
+    prefetch_late: int = 0  # ... accepted before their prefetch wrote a token (it was dropped, the request asked)
+    shown_chars: int = 0  # characters of the suggestions answered by the engine or a prefetch (not type-ahead)
     jobs_started: int = 0  # scheduler jobs submitted
     jobs_cancelled: int = 0  # ... cancelled before their end
     jobs_completed: int = 0  # ... run to their end (or to a stop rule)
+    tokens_generated: int = 0  # by those jobs, cancelled ones included
+    prompt_tokens: int = 0  # prompt tokens of the jobs that ended
+    cached_tokens: int = 0  # ... of them restored from the session bank, not prefilled
+
+
+@dataclass(frozen=True)
+class Generated:
+    text: str
+    capped: bool  # the token cap ended it (`finalize`'s `capped`)
+    usage: Usage | None  # None: the job ended without its Done event
 
 
 async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budget_ms: int,
-                   stats: ConnectionStats) -> tuple[str, bool]:
-    """Run one job to its end or to the first stop rule; the ticket is released on every
-    path. Returns the text, and whether the token cap ended it (`finalize`'s `capped`)."""
+                   stats: ConnectionStats, started: asyncio.Event | None = None) -> Generated:
+    """Run one job to its end or to the first stop rule; the ticket is released on every path.
+    `started` is set once the job's first token arrives (it left the queue and its prefill)."""
     try:
         ticket = runtime.submit(request)
     except (QueueFull, NotReady) as e:
@@ -59,6 +71,7 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
     deadline = loop.time() + budget_ms / 1000
     spent_at: int | None = None  # length of the text when the time budget ran out
     text, ended, capped = "", False, False
+    usage: Usage | None = None
     try:
         while not ended:
             try:
@@ -66,6 +79,9 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 break
             if isinstance(event, TextDelta):
+                stats.tokens_generated += len(event.token_ids)
+                if started is not None:
+                    started.set()
                 text, ended = trim(text + event.text, cursor)
                 if not ended and not cursor.mid_line and loop.time() > deadline:
                     spent_at = len(text) if spent_at is None else spent_at
@@ -73,10 +89,12 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
                     if cut >= 0:
                         text, ended = text[:cut], True
             elif isinstance(event, Done):
-                ended, capped = True, event.finish_reason == "length"
+                ended, capped, usage = True, event.finish_reason == "length", event.usage
+                stats.prompt_tokens += usage.prompt_tokens
+                stats.cached_tokens += usage.cached_tokens
             elif isinstance(event, Failed):
                 if event.kind == "shutdown":
-                    return "", False
+                    return Generated("", False, None)
                 raise RequestFailed(event.message)
     finally:
         ticket.cancel()
@@ -84,7 +102,7 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
             stats.jobs_completed += 1
         else:
             stats.jobs_cancelled += 1
-    return text, capped
+    return Generated(text, capped, usage)
 
 
 async def ready_model(runtime: Runtime) -> ModelInfo:
@@ -95,7 +113,7 @@ async def ready_model(runtime: Runtime) -> ModelInfo:
     if runtime.state == "ready" and model is not None:
         return model
     if runtime.state == "failed":
-        raise RequestFailed(f"the model failed to load: {runtime.load_error}")
+        raise RequestFailed(runtime.failure())
     raise RequestFailed("the daemon is shutting down")
 
 

@@ -8,18 +8,20 @@
 - `workspace_of`: the workspace folder (an absolute path) a document belongs to,
   the session-bank namespace of its requests.
 - `PromptBuilder`: fill-in-the-middle prompt ids with the model's own FIM tokens.
-  Prefix and suffix budgets are in tokens (70/30 of `contextTokens`); other open
-  documents of the same workspace come first, in a stable order and cut at stable
-  line boundaries, so that consecutive keystrokes share a long prompt prefix the
-  session bank can reuse. With `<|file_sep|>` in the vocabulary (Qwen coder
-  models), they are laid out in its repository format.
+  Prefix and suffix budgets are in tokens (70/30 of `contextTokens`); chunks of
+  other open documents of the same workspace (adapters/lsp/context.py chooses
+  them) come before the current file, in an order kept between keystrokes, so that
+  consecutive keystrokes share a long prompt prefix the session bank can reuse.
+  With `<|file_sep|>` in the vocabulary (Qwen coder models), they are laid out in
+  its repository format; a suffix-prefix-middle model gets them as the plain
+  documents, each ended by end-of-text, it was trained on.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from adapters.lsp.postprocess import Cursor, detect_indent_unit
 from engine.prompts import Heal, fim_tokens, heal_last_token, leading_special
@@ -39,8 +41,10 @@ class Options:
     line_max_tokens: int = 32  # ... in the middle of a line (to its end)
     debounce_ms: int = 120  # automatic requests wait at most this long for the next keystroke
     client_debounces: bool = False  # the editor waits for a pause itself: no wait here
+    adaptive_debounce: bool = True  # false: always wait `debounce_ms` (the typing pace is not learned)
+    prefetch: bool = True  # compute the suggestion after the one shown, for when it is accepted
     context_tokens: int = 1024  # prefix + suffix of the current document
-    workspace_context_tokens: int = 512  # other open documents of the same workspace
+    workspace_context_tokens: int = 512  # chunks of other open documents of the same workspace
     time_budget_ms: int = 500  # once spent, a multi-line completion ends at the next line break
     temperature: float = 0.0  # 0: greedy (repeatable, which the type-ahead cache likes)
     provider: str = "auto"  # auto | inline | completion | both (read at initialize)
@@ -78,7 +82,7 @@ _RANGES = {
 
 
 def _check_option(name: str, value: Any) -> Any:
-    if name in ("enable", "client_debounces"):
+    if name in ("enable", "client_debounces", "adaptive_debounce", "prefetch"):
         if not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
         return value
@@ -205,6 +209,12 @@ def comment_prefix(language_id: str | None, path: str) -> str:
     return "//"
 
 
+class Prompt(NamedTuple):
+    ids: list[int]
+    heal: Heal | None
+    context_tokens: int  # of `ids`, the other files' (before the current file's header)
+
+
 @dataclass(frozen=True)
 class ContextDocument:
     uri: str
@@ -226,8 +236,10 @@ class PromptBuilder:
         self.file_sep = added.get("<|file_sep|>")
         self.repo_name = added.get("<|repo_name|>")
         self.bos = leading_special(tokenizer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos = eos if isinstance(eos, int) else None
         self._line_counts: dict[str, int] = {}
-        self._context: dict[tuple, list[int]] = {}
+        self._context: dict[tuple, tuple[list[int], list[int]]] = {}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
@@ -241,21 +253,30 @@ class PromptBuilder:
         return n
 
     def build(self, snap: Snapshot, options: Options, path: str = "", context: Iterable[ContextDocument] = (),
-              workspace_name: str = "") -> tuple[list[int], Heal | None]:
-        """The prompt's ids, its prefix's last token healed (engine/prompts.py)."""
+              workspace_name: str = "") -> Prompt:
+        """The prompt's ids, its prefix's last token healed (engine/prompts.py). The other
+        files come before the current one in every layout, so the session bank keeps them
+        warm: in the repository layout (`<|file_sep|>`) as files before this one; in a
+        suffix-prefix-middle model's as plain documents ended by end-of-text, as it saw them
+        in training, before the FIM part; in prefix-suffix-middle, at the prefix's start."""
         budget = options.context_tokens
         suffix = self.suffix_text(snap, budget - int(budget * PREFIX_SHARE))
         prefix = self.prefix_text(snap, budget - self.count_text(suffix))
         context = list(context)
-        head: list[int] = []
+        files: list[int] = []
+        header: list[int] = []
         if context and options.workspace_context_tokens > 0:
-            head = self.context_ids(context, path, snap.language_id, options.workspace_context_tokens,
-                                    workspace_name)
+            files, header = self.context_ids(context, path, snap.language_id, options.workspace_context_tokens,
+                                             workspace_name)
         prefix_ids, heal = heal_last_token(self.tokenizer, self.encode(prefix))
         suffix_ids = self.encode(suffix)
-        if self.file_sep is not None:  # repository layout: files, then the FIM part of this one
-            return [*self.bos, *head, *self.fim.layout(prefix_ids, suffix_ids)], heal
-        return [*self.bos, *self.fim.layout([*head, *prefix_ids], suffix_ids)], heal
+        if self.file_sep is not None:
+            ids = [*self.bos, *files, *header, *self.fim.layout(prefix_ids, suffix_ids)]
+        elif self.fim.order == "spm":
+            ids = [*self.bos, *files, *self.fim.layout([*header, *prefix_ids], suffix_ids)]
+        else:
+            ids = [*self.bos, *self.fim.layout([*files, *header, *prefix_ids], suffix_ids)]
+        return Prompt(ids, heal, len(files))
 
     def count_text(self, text: str) -> int:
         return sum(self.count(line) for line in text.splitlines(True))
@@ -293,23 +314,23 @@ class PromptBuilder:
         return text
 
     def context_ids(self, documents: list[ContextDocument], path: str, language_id: str | None,
-                    budget: int, workspace_name: str = "") -> list[int]:
-        """Ids of the other documents, then the current file's header: the same ids for as
-        long as the other documents do not change."""
-        documents = sorted(documents, key=lambda d: d.uri)
-        key = (tuple((d.uri, d.version) for d in documents), path, language_id, budget, workspace_name)
+                    budget: int, workspace_name: str = "") -> tuple[list[int], list[int]]:
+        """Ids of the other documents in the order given, and of the current file's header:
+        the same ids for as long as the documents' texts do not change."""
+        key = (tuple((d.path, d.language_id, d.text) for d in documents), path, language_id, budget, workspace_name)
         cached = self._context.get(key)
         if cached is not None:
             return cached
         repo = self.file_sep is not None
+        ended = not repo and self.fim.order == "spm" and self.eos is not None  # plain documents, as in training
         sep = [self.file_sep] if self.file_sep is not None else []  # what starts each file (repository layout)
-        ids: list[int] = []
+        files: list[int] = []
         if repo and self.repo_name is not None:
-            ids += [self.repo_name, *self.encode(f"{workspace_name or 'workspace'}\n")]
+            files += [self.repo_name, *self.encode(f"{workspace_name or 'workspace'}\n")]
         left = budget
         for doc in documents:
-            header = f"{doc.path}\n" if repo else f"{comment_prefix(doc.language_id, doc.path)} {doc.path}\n"
-            left -= self.count(header) + 1
+            head = f"{doc.path}\n" if repo else f"{comment_prefix(doc.language_id, doc.path)} {doc.path}\n"
+            left -= self.count(head) + 1
             if left <= 0:
                 break
             body = []
@@ -319,18 +340,18 @@ class PromptBuilder:
                     break
                 body.append(line)
                 left -= n
-            text = header + "".join(body)
+            text = head + "".join(body)
             text += "" if text.endswith("\n") else "\n"
-            text += "" if repo else "\n"  # a blank line between files
-            ids += sep + self.encode(text)
+            text += "" if repo or ended else "\n"  # a blank line between files
+            files += sep + self.encode(text) + ([self.eos] if ended and self.eos is not None else [])
         if repo:
-            ids += [*sep, *self.encode(f"{path}\n")]
-        elif path:
-            ids += self.encode(f"{comment_prefix(language_id, path)} {path}\n")
+            header = [*sep, *self.encode(f"{path}\n")]
+        else:
+            header = self.encode(f"{comment_prefix(language_id, path)} {path}\n") if path else []
         if len(self._context) > 64:
             self._context.clear()
-        self._context[key] = ids
-        return ids
+        self._context[key] = (files, header)
+        return files, header
 
 
 def _added_vocab(tokenizer: Any) -> dict[str, int]:

@@ -25,7 +25,10 @@ adapters/lsp/postprocess.py, the scheduler job in adapters/lsp/completions.py.
   `debounceMs`; not at all when the client says it waits itself (`clientDebounces`)
   or for explicitly invoked ones.
 - The last suggestion per document answers a request whose typed text is its start
-  (type-ahead), without the engine.
+  (type-ahead, a partial accept), without the engine; the suggestion after it is
+  prefetched at background priority and answers the request once it is accepted whole.
+- Cross-file context: chunks of the other open documents of the workspace, from a ring
+  of the recently touched ones (adapters/lsp/context.py), before the current file.
 - Settings: initializationOptions and workspace/didChangeConfiguration (see
   adapters/lsp/documents.Options). Command `mtplxd.status` [uri] reports this
   connection's counters, settings, folders, the document's workspace and the queue.
@@ -47,7 +50,8 @@ from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
-from adapters.lsp.documents import ContextDocument, Options, accepted, snapshot, workspace_of
+from adapters.lsp.context import Chunk, ChunkRing, OpenDocument, as_documents
+from adapters.lsp.documents import Options, accepted, snapshot, workspace_of
 from adapters.lsp.completions import (
     ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_model, snippet_text,
 )
@@ -68,6 +72,7 @@ class _Prefetch:
     prefix: str  # the document around the cursor it was computed for: the text before ...
     suffix: str  # ... and after
     task: asyncio.Future
+    started: asyncio.Event  # its first token arrived: it is generating, not waiting behind other work
 
 
 @dataclass(eq=False)
@@ -102,6 +107,8 @@ class CompletionServer(LanguageServer):
         self.cache = TypeAheadCache()
         self.rhythm = TypingRhythm()
         self.last_place: dict[str, Any] | None = None  # the last request's length choice (mtplxd.status)
+        self.last_prompt: dict[str, Any] | None = None  # the last request's prompt: context, usage (mtplxd.status)
+        self.ring = ChunkRing()  # recently touched chunks of the open documents (cross-file context)
         self.pending: dict[str, _Pending] = {}
         self.prefetches: dict[str, _Prefetch] = {}  # per document: the suggestion after the one shown
         self.prefetch_jobs = ConnectionStats()  # the prefetches' engine jobs, apart from the requests'
@@ -109,6 +116,7 @@ class CompletionServer(LanguageServer):
         self.closed = False
         self.snippets = False  # the client expands snippets (set at initialize)
         self._register(types.INITIALIZE, self._initialize)
+        self._register(types.TEXT_DOCUMENT_DID_OPEN, self._did_open)
         self._register(types.TEXT_DOCUMENT_DID_CHANGE, self._did_change)
         self._register(types.TEXT_DOCUMENT_DID_CLOSE, self._did_close)
         self._register(types.WORKSPACE_DID_CHANGE_CONFIGURATION, self._did_change_configuration)
@@ -184,15 +192,23 @@ class CompletionServer(LanguageServer):
 
     # -- documents -------------------------------------------------------------------
 
+    def _did_open(self, params: types.DidOpenTextDocumentParams) -> None:
+        self.ring.touch(unquote(params.text_document.uri), 0)  # what an editor shows first
+
     def _did_change(self, params: types.DidChangeTextDocumentParams) -> None:
         self.rhythm.edit(time.monotonic())
-        self._drop_stale(unquote(params.text_document.uri), params.text_document.version)
+        key = unquote(params.text_document.uri)
+        for change in params.content_changes:
+            if isinstance(change, types.TextDocumentContentChangePartial):
+                self.ring.touch(key, change.range.start.line)
+        self._drop_stale(key, params.text_document.version)
 
     def _did_close(self, params: types.DidCloseTextDocumentParams) -> None:
         key = unquote(params.text_document.uri)
         self._drop_stale(key, None)
         self._drop_prefetch(key)
         self.cache.drop(key)
+        self.ring.forget(key)
 
     def _drop_stale(self, key: str, version: int | None) -> None:
         pending = self.pending.get(key)
@@ -246,6 +262,7 @@ class CompletionServer(LanguageServer):
         except ValueError as e:
             raise JsonRpcInvalidParams(str(e)) from None
         self.stats.requests += 1
+        self.ring.touch(key, position.line)
         # a coroutine handler: pygls runs it in a task (ensure_future), so there is a current one
         me = _Pending(cast(asyncio.Task, asyncio.current_task()), snap.version)
         previous = self.pending.get(key)
@@ -275,7 +292,7 @@ class CompletionServer(LanguageServer):
         if cached:
             self.stats.cache_hits += 1
             return cached
-        text = await self._prefetched(key, snap)
+        text = await self._prefetched(key, snap) if options.prefetch else None
         if text is not None:
             self.stats.prefetch_hits += 1
         else:
@@ -288,25 +305,27 @@ class CompletionServer(LanguageServer):
             self.stats.stale += 1
             raise JsonRpcContentModified(f"{key} changed (version {snap.version}) while completing")
         self.cache.put(key, snap.prefix, snap.suffix, text)
-        if text:
+        self.stats.shown_chars += len(text)
+        if text and options.prefetch:
             self._prefetch(key, snap, text)
         return text
 
-    async def _complete(self, key: str, snap: Any, priority: Priority) -> str:
+    async def _complete(self, key: str, snap: Any, priority: Priority, started: asyncio.Event | None = None) -> str:
         """One suggestion from the engine."""
         model = await ready_model(self.runtime)
         builder = prompt_builder(model)
         options = fit_options(self.options, model.context_length)
         workspace = self.workspace_for(key)
-        ids, heal = builder.build(snap, options, self._display_path(key, workspace), self._context(key, workspace),
-                                  os.path.basename(workspace or ""))
+        chunks = self._context(key, snap, workspace, options.workspace_context_tokens, builder.count)
+        prompt = builder.build(snap, options, self._display_path(key, workspace), as_documents(chunks),
+                               os.path.basename(workspace or ""))
         # The length fits the place: mid-line to the line's end, else a block.
         max_tokens = options.line_max_tokens if snap.cursor.mid_line else options.max_tokens
         if priority == Priority.INTERACTIVE:
             self.last_place = {"mode": "line" if snap.cursor.mid_line else "block", "maxTokens": max_tokens}
         request = TextRequest(
-            prompt_ids=tuple(ids),
-            heal=heal,
+            prompt_ids=tuple(prompt.ids),
+            heal=prompt.heal,
             continuation=True,
             max_tokens=max_tokens,
             sampler=SamplerSettings(temperature=options.temperature),
@@ -315,8 +334,16 @@ class CompletionServer(LanguageServer):
             workspace=workspace,
         )
         jobs = self.stats if priority == Priority.INTERACTIVE else self.prefetch_jobs
-        raw, capped = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, jobs)
-        return finalize(raw, snap.cursor, capped)
+        done = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, jobs, started)
+        if priority == Priority.INTERACTIVE:
+            usage = done.usage
+            self.last_prompt = {
+                "context": [{"path": c.path, "lines": [c.start, c.end]} for c in chunks],
+                "contextTokens": prompt.context_tokens,
+                "promptTokens": usage.prompt_tokens if usage else None,
+                "cachedTokens": usage.cached_tokens if usage else None,  # restored by the session bank
+            }
+        return finalize(done.text, snap.cursor, done.capped)
 
     # -- prefetch after a suggestion ------------------------------------------------------
 
@@ -326,9 +353,10 @@ class CompletionServer(LanguageServer):
         bank already holds the prompt up to the suggestion's start."""
         self._drop_prefetch(key)
         target = accepted(snap, text)
-        task = asyncio.ensure_future(self._complete(key, target, Priority.BACKGROUND))
+        started = asyncio.Event()
+        task = asyncio.ensure_future(self._complete(key, target, Priority.BACKGROUND, started))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed prefetch is a miss, not a log
-        self.prefetches[key] = _Prefetch(target.prefix, target.suffix, task)
+        self.prefetches[key] = _Prefetch(target.prefix, target.suffix, task, started)
         self.stats.prefetch_started += 1
 
     async def _prefetched(self, key: str, snap: Any) -> str | None:
@@ -339,6 +367,12 @@ class CompletionServer(LanguageServer):
             return None
         if (prefetch.prefix, prefetch.suffix) != (snap.prefix, snap.suffix):
             prefetch.task.cancel()  # the document went elsewhere
+            return None
+        if not prefetch.task.done() and not prefetch.started.is_set():
+            # Still queued behind other work at background priority (it could wait there as
+            # long as the daemon is busy): the user is waiting now, so ask at interactive priority.
+            prefetch.task.cancel()
+            self.stats.prefetch_late += 1
             return None
         try:
             return await asyncio.shield(prefetch.task)
@@ -357,21 +391,28 @@ class CompletionServer(LanguageServer):
 
     def _debounce_ms(self) -> int:
         """How long an automatic request waits for the next keystroke."""
-        return 0 if self.options.client_debounces else self.rhythm.wait_ms(self.options.debounce_ms)
+        if self.options.client_debounces:
+            return 0
+        if not self.options.adaptive_debounce:
+            return self.options.debounce_ms
+        return self.rhythm.wait_ms(self.options.debounce_ms)
 
     def _display_path(self, key: str, workspace: str | None) -> str:
         path = file_uri_path(key) or key
         return os.path.relpath(path, workspace) if workspace else os.path.basename(path)
 
-    def _context(self, key: str, workspace: str | None) -> list[ContextDocument]:
-        """The other open documents of the same workspace."""
-        if workspace is None or self.options.workspace_context_tokens <= 0:
+    def _context(self, key: str, snap: Any, workspace: str | None, budget: int,
+                 count: Callable[[str], int]) -> list[Chunk]:
+        """Chunks of the other open documents of the same workspace (adapters/lsp/context.py)."""
+        if workspace is None or budget <= 0:
             return []
-        return [
-            ContextDocument(uri, doc.version, self._display_path(uri, workspace), doc.language_id, doc.source)
+        current = OpenDocument(key, snap.version, "", snap.language_id, snap.lines)
+        others = [
+            OpenDocument(uri, doc.version, self._display_path(uri, workspace), doc.language_id, tuple(doc.lines))
             for uri, doc in self.workspace.text_documents.items()
             if uri != key and self.workspace_for(uri) == workspace
         ]
+        return self.ring.select(current, snap.line, others, budget, count)
 
     # -- introspection ---------------------------------------------------------------
 
@@ -379,11 +420,14 @@ class CompletionServer(LanguageServer):
         report: dict[str, Any] = {
             "pid": os.getpid(),
             "connection": asdict(self.stats),
-            "prefetchJobs": {k: v for k, v in asdict(self.prefetch_jobs).items() if k.startswith("jobs_")},
+            "prefetchJobs": {k: v for k, v in asdict(self.prefetch_jobs).items()
+                             if k.startswith("jobs_") or k == "tokens_generated"},
             "pending": len(self.pending),
             "options": self.options.as_json(),
             "debounceMs": self._debounce_ms(),  # what an automatic request waits now
             "lastPlace": self.last_place,
+            "lastPrompt": self.last_prompt,
+            "contextRing": len(self.ring),
             "workspaceFolders": sorted(filter(None, (file_uri_path(f) for f in self.workspace.folders))),
             "scheduler": asdict(self.runtime.stats()),
         }

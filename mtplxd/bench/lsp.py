@@ -1,23 +1,36 @@
-"""Editor-completion latency: replay typing into `mtplxd lsp`, idle and under load.
+"""Editor completions, before and after: replay typing into `mtplxd lsp`, side by side.
 
     python -m mtplxd.bench.lsp                    # the embedded model, a scratch daemon
     python -m mtplxd.bench.lsp --model PATH       # any checkpoint with FIM tokens
     python -m mtplxd.bench.lsp --state-dir DIR    # a daemon already running there
+    python -m mtplxd.bench.lsp --phases idle,loaded --streams 8   # also under 8 HTTP streams
 
-A held-out standard-library function (`colorsys.rgb_to_hls` by default: the
-shipped model never trained on colorsys) is typed character by character, every
-`--key-ms` (80 ms), into the file it comes from, through a real pygls client
-speaking to `mtplxd lsp` as an editor does: each keystroke is a didChange plus an
-automatic inlineCompletion request. Enter inserts the next line's indentation with
-it (as editors auto-indent) and is followed by a `--pause-ms` pause, the moment a
-user reads a suggestion. Twice: alone, then while an HTTP client streams one long
-generation at normal priority.
+Held-out standard-library functions (the shipped model never trained on these modules)
+are typed character by character, every `--key-ms`, into the file they come from (the
+function cut out), through a real pygls client speaking to `mtplxd lsp` as an editor
+does: each keystroke is a didChange plus an automatic inlineCompletion request. The
+other typed modules are open in the same workspace, each visited at its own function
+(an empty edit there: what the user looked at), for cross-file context. Enter inserts
+the next line's indentation (as editors auto-indent) and is followed by a pause of
+`--pause-ms`: the user waits for the suggestion, reads it for `--read-ms`, accepts it
+whole, sees the suggestion after it, then undoes the accept and types on.
 
-Reported per phase: keystroke-to-completion latency p50/p95 (request sent -> items
-received, for the requests that got items; also for those the engine answered,
-without the type-ahead hits), requests by outcome, and the connection's engine
-jobs started, cancelled and completed (`mtplxd.status`). Target: loaded p95 within
-1.5x of idle p95. On a shared machine the figures are noisy: compare runs, not digits.
+Two sides, each its own connection and workspace (so its own session-bank namespace),
+alternating which goes first from one function to the next:
+- before: the behaviour before issue 25 through initializationOptions: no prefetch,
+  the fixed `debounceMs` (120), one length (`maxTokens` 64) everywhere, no cross-file
+  context (`workspaceContextTokens` 0);
+- after: the defaults.
+
+Reported per side: pause-to-suggestion p50/p95 (the request sent with Enter -> items;
+each file's first apart: its prompt is cold),
+after-accept p50/p95 (the request at the end of the accepted suggestion -> items),
+prefetch hit rate (after-accept requests answered from the prefetch), median suggestion
+length in characters, tokens generated (every job of the connection, prefetches and
+cancelled ones included) per character of the suggestions the engine answered, and the
+first-line exact-match rate at the pauses (the suggestion's first line against the real
+next line, whitespace at the ends aside). On a shared machine the figures are noisy:
+compare the sides of one run, not digits across runs.
 """
 
 from __future__ import annotations
@@ -44,19 +57,58 @@ from pygls.lsp.client import LanguageClient
 from mtplxd import client as daemon_client
 from mtplxd.config import load_settings
 
+FUNCTIONS = "colorsys.rgb_to_hls,shlex.split,statistics.median,fnmatch.filter"
+BEFORE = {"prefetch": False, "adaptiveDebounce": False, "lineMaxTokens": 64, "maxTokens": 64,
+          "workspaceContextTokens": 0}
+SIDES = {"before": BEFORE, "after": {}}
+
 
 @dataclass
-class Phase:
+class Side:
+    """One side's samples over a phase."""
+
     name: str
     keystrokes: int = 0
-    with_items: int = 0
-    empty: int = 0
     cancelled: int = 0
     errors: int = 0
-    latency_ms: dict = field(default_factory=dict)  # requests answered with items
-    engine_latency_ms: dict = field(default_factory=dict)  # ... of those, not from type-ahead
-    connection: dict = field(default_factory=dict)  # mtplxd.status counters for the phase
-    background_tokens: int = 0
+    pause_ms: list[float] = field(default_factory=list)
+    cold_ms: list[float] = field(default_factory=list)  # each file's first pause: its prompt not yet cached
+    accept_ms: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # of every suggestion received at a pause or after an accept
+    exact: int = 0  # pauses whose suggestion's first line is the real next line
+    judged: int = 0  # pauses with a real next line to compare with
+    accepts: int = 0
+    counters: dict = field(default_factory=dict)  # mtplxd.status counters, summed over the connections
+
+    def add_counters(self, start: dict, end: dict) -> None:
+        for group in ("connection", "prefetchJobs"):
+            for key, value in end[group].items():
+                name = f"{group}.{key}"
+                self.counters[name] = self.counters.get(name, 0) + value - start[group].get(key, 0)
+
+    def figures(self) -> dict:
+        c = self.counters
+        tokens = c.get("connection.tokens_generated", 0) + c.get("prefetchJobs.tokens_generated", 0)
+        shown = c.get("connection.shown_chars", 0)
+        prompt, cached = c.get("connection.prompt_tokens", 0), c.get("connection.cached_tokens", 0)
+        jobs = c.get("connection.jobs_completed", 0)
+        return {
+            "pause_ms": percentiles(self.pause_ms),
+            "cold_pause_ms": percentiles(self.cold_ms),
+            "after_accept_ms": percentiles(self.accept_ms),
+            "prefetch_hit_rate": ratio(c.get("connection.prefetch_hits", 0), self.accepts),
+            "median_chars": statistics.median(self.lengths) if self.lengths else None,
+            "tokens_per_shown_char": ratio(tokens, shown),
+            "first_line_exact": ratio(self.exact, self.judged),
+            "cached_share": ratio(cached, prompt),  # of the prompt tokens of the jobs that ended
+            "prefilled_per_job": ratio(prompt - cached, jobs),
+            "judged": self.judged, "accepts": self.accepts, "keystrokes": self.keystrokes,
+            "cancelled": self.cancelled, "errors": self.errors,
+        }
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
 
 
 def percentiles(values: list[float]) -> dict:
@@ -67,8 +119,17 @@ def percentiles(values: list[float]) -> dict:
     return {"n": len(ordered), "p50": round(statistics.median(ordered), 1), "p95": round(p95, 1)}
 
 
-def trace(function: str) -> tuple[str, str, list[str]]:
-    """(text before the function, text after it, keystrokes typing it)."""
+@dataclass(frozen=True)
+class Trace:
+    module: str  # dotted
+    path: str  # relative, as in the workspace
+    before: str  # the file's text before the function
+    after: str  # ... and after it
+    keys: list[str]  # keystrokes typing the function (Enter with the next line's indentation)
+    lines: list[str]  # the function's lines
+
+
+def trace(function: str) -> Trace:
     module_name, _, name = function.rpartition(".")
     module = importlib.import_module(module_name)
     source = inspect.getsource(module)
@@ -85,60 +146,110 @@ def trace(function: str) -> tuple[str, str, list[str]]:
         else:
             keys.append(body[i])
             i += 1
-    return source[:start], source[start + len(body):], keys
+    path = module_name.replace(".", "/") + ".py"
+    return Trace(module_name, path, source[:start], source[start + len(body):], keys, body.split("\n"))
 
 
-async def replay(lsp: LanguageClient, phase: Phase, before: str, after: str, keys: list[str],
-                 key_ms: float, pause_ms: float, uri: str) -> None:
-    lsp.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", 1, before + after)))
-    line, column, version = before.count("\n"), len(before) - (before.rfind("\n") + 1), 1
-    pending = []
-    start = await status(lsp)
-    next_at = time.perf_counter()
-    for key in keys:
-        now = time.perf_counter()
-        if next_at > now:
-            await asyncio.sleep(next_at - now)
-        version += 1
-        position = types.Position(line, column)
-        lsp.text_document_did_change(types.DidChangeTextDocumentParams(
-            types.VersionedTextDocumentIdentifier(version=version, uri=uri),
-            [types.TextDocumentContentChangePartial(range=types.Range(position, position), text=key)]))
-        if "\n" in key:
-            line, column = line + key.count("\n"), len(key) - key.rfind("\n") - 1
-        else:
-            column += len(key)  # ASCII source: UTF-16 units are characters
-        sent = time.perf_counter()
-        future = lsp.protocol.send_request_async(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionParams(
+class Editor:
+    """One document of one connection, as an editor holds it: text, version, cursor."""
+
+    def __init__(self, lsp: LanguageClient, uri: str, text: str):
+        self.lsp, self.uri, self.version = lsp, uri, 1
+        lsp.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", 1, text)))
+
+    def insert(self, line: int, column: int, text: str, end: tuple[int, int] | None = None) -> tuple[int, int]:
+        """Replace (line, column)..`end` (default: nothing) with `text`; the position after it."""
+        self.version += 1
+        start = types.Position(line, column)
+        stop = types.Position(*end) if end else start
+        self.lsp.text_document_did_change(types.DidChangeTextDocumentParams(
+            types.VersionedTextDocumentIdentifier(version=self.version, uri=self.uri),
+            [types.TextDocumentContentChangePartial(range=types.Range(start, stop), text=text)]))
+        rows = text.split("\n")
+        return line + len(rows) - 1, (column if len(rows) == 1 else 0) + len(rows[-1])  # ASCII: UTF-16 = chars
+
+    def ask(self, line: int, column: int) -> asyncio.Future:
+        return self.lsp.protocol.send_request_async(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionParams(
             context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
-            text_document=types.TextDocumentIdentifier(uri), position=types.Position(line, column)))
-        pending.append(asyncio.ensure_future(_timed(future, sent)))
-        phase.keystrokes += 1
-        next_at = max(next_at, sent) + (key_ms + (pause_ms if "\n" in key else 0)) / 1000
-    results = await asyncio.gather(*pending)
-    end = await status(lsp)
-    lsp.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri)))
-    shown = []
-    for outcome, ms in results:
-        if outcome == "items":
-            phase.with_items += 1
-            shown.append(ms)
-        else:
-            setattr(phase, outcome, getattr(phase, outcome) + 1)
-    phase.latency_ms = percentiles(shown)
-    # An automatic request the engine answers waits for the debounce first; type-ahead ones do not.
-    debounce = end["options"]["debounceMs"]
-    phase.engine_latency_ms = percentiles([ms for ms in shown if ms >= debounce])
-    phase.connection = {k: end["connection"][k] - start["connection"][k] for k in end["connection"]}
+            text_document=types.TextDocumentIdentifier(self.uri), position=types.Position(line, column)))
+
+    def close(self) -> None:
+        self.lsp.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(self.uri)))
 
 
-async def _timed(future, sent: float) -> tuple[str, float]:
+async def timed(future: asyncio.Future, sent: float) -> tuple[str, float, str]:
+    """(outcome, ms from `sent`, the suggestion)."""
     try:
         result = await future
     except JsonRpcException as e:
-        return ("cancelled" if e.code in (-32800, -32801) else "errors"), 0.0
+        return ("cancelled" if e.code in (-32800, -32801) else "errors"), 0.0, ""
     ms = (time.perf_counter() - sent) * 1000
-    return ("items" if result and result.items else "empty"), ms
+    text = result.items[0].insert_text if result and result.items else ""
+    return ("items" if text else "empty"), ms, str(text)
+
+
+async def type_function(lsp: LanguageClient, side: Side, target: Trace, others: list[Trace], workspace: Path,
+                        args: argparse.Namespace) -> None:
+    """Open the other modules (each visited at its function), then type `target` in its file."""
+    opened = []
+    for other in others:
+        editor = Editor(lsp, (workspace / other.path).as_uri(), other.before + "\n".join(other.lines) + other.after)
+        line = other.before.count("\n")
+        editor.insert(line, 0, "")  # the user was there
+        opened.append(editor)
+    editor = Editor(lsp, (workspace / target.path).as_uri(), target.before + target.after)
+    line, column = target.before.count("\n"), 0
+    pending = []
+    row = 0  # the function's line being typed
+    cold = True  # no suggestion in this file yet: its prompt is not in the session bank
+    next_at = time.perf_counter()
+    for key in target.keys:
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        line, column = editor.insert(line, column, key)
+        sent = time.perf_counter()
+        side.keystrokes += 1
+        if "\n" not in key:
+            pending.append(asyncio.ensure_future(timed(editor.ask(line, column), sent)))
+            next_at = sent + args.key_ms / 1000
+            continue
+        outcome, ms, text = await timed(editor.ask(line, column), sent)  # the pause: the user waits
+        _count(side, outcome)
+        row += 1
+        real = target.lines[row] if row < len(target.lines) else ""
+        if real.strip():
+            side.judged += 1
+            side.exact += bool(text) and text.split("\n")[0].strip() == real.strip()
+        if text:
+            (side.cold_ms if cold else side.pause_ms).append(ms)
+            cold = False
+            side.lengths.append(len(text))
+            await accept(editor, side, line, column, text, sent, args)
+        next_at = sent + (args.key_ms + args.pause_ms) / 1000
+    for outcome, _, _ in await asyncio.gather(*pending):
+        if outcome in ("cancelled", "errors"):
+            _count(side, outcome)
+    for e in [editor, *opened]:
+        e.close()
+
+
+async def accept(editor: Editor, side: Side, line: int, column: int, text: str, shown_at: float,
+                 args: argparse.Namespace) -> None:
+    """After reading, accept `text` whole, wait for the next suggestion, then undo the accept."""
+    await asyncio.sleep(max(0.0, shown_at + args.read_ms / 1000 - time.perf_counter()))
+    end = editor.insert(line, column, text)
+    side.accepts += 1
+    sent = time.perf_counter()
+    outcome, ms, after = await timed(editor.ask(*end), sent)
+    _count(side, outcome)
+    if after:
+        side.accept_ms.append(ms)
+        side.lengths.append(len(after))
+    editor.insert(line, column, "", end)  # undo: back to the real code
+
+
+def _count(side: Side, outcome: str) -> None:
+    if outcome in ("cancelled", "errors"):
+        setattr(side, outcome, getattr(side, outcome) + 1)
 
 
 async def status(lsp: LanguageClient) -> dict:
@@ -146,6 +257,82 @@ async def status(lsp: LanguageClient) -> dict:
     if result is None:
         raise RuntimeError("mtplxd.status returned no result")
     return result
+
+
+async def connect(env: dict, state_dir: Path, workspace: Path, options: dict) -> LanguageClient:
+    lsp = LanguageClient("mtplxd-bench", "1")
+    await lsp.start_io(sys.executable, "-m", "mtplxd", "lsp", "--state-dir", str(state_dir), env=env)
+    capabilities = types.ClientCapabilities(text_document=types.TextDocumentClientCapabilities(
+        inline_completion=types.InlineCompletionClientCapabilities()))
+    await asyncio.wait_for(lsp.initialize_async(types.InitializeParams(
+        capabilities=capabilities, initialization_options={"mtplxd": options},
+        workspace_folders=[types.WorkspaceFolder(workspace.as_uri(), workspace.name)])), 300)
+    lsp.initialized(types.InitializedParams())
+    return lsp
+
+
+async def disconnect(lsp: LanguageClient) -> None:
+    try:
+        await asyncio.wait_for(lsp.shutdown_async(None), 30)
+        lsp.exit(None)
+    finally:
+        await asyncio.wait_for(lsp.stop(), 30)
+
+
+async def one_side(side: Side, options: dict, target: Trace, others: list[Trace], env: dict, state_dir: Path,
+                   args: argparse.Namespace) -> None:
+    """`target` typed on a fresh connection and workspace (a cold session-bank namespace)."""
+    workspace = Path(tempfile.mkdtemp(prefix=f"mtplxd-bench-{side.name}-"))
+    lsp = await connect(env, state_dir, workspace, options)
+    try:
+        start = await status(lsp)
+        await type_function(lsp, side, target, others, workspace, args)
+        await asyncio.sleep(0.5)  # the last prefetch settles into the counters
+        side.add_counters(start, await status(lsp))
+    finally:
+        await disconnect(lsp)
+
+
+async def warm_up(env: dict, state_dir: Path, target: Trace) -> None:
+    """One explicit request: the daemon starts and loads the model, the first prefill."""
+    workspace = Path(tempfile.mkdtemp(prefix="mtplxd-bench-warm-"))
+    lsp = await connect(env, state_dir, workspace, {})
+    try:
+        editor = Editor(lsp, (workspace / target.path).as_uri(), target.before)
+        await asyncio.wait_for(lsp.protocol.send_request_async(types.TEXT_DOCUMENT_INLINE_COMPLETION,
+            types.InlineCompletionParams(context=types.InlineCompletionContext(
+                trigger_kind=types.InlineCompletionTriggerKind.Invoked),
+                text_document=types.TextDocumentIdentifier(editor.uri),
+                position=types.Position(target.before.count("\n"), 0))), 300)
+    finally:
+        await disconnect(lsp)
+
+
+async def bench(args: argparse.Namespace, env: dict, state_dir: Path) -> dict[str, dict[str, Side]]:
+    traces = [trace(f) for f in args.functions.split(",")]
+    await warm_up(env, state_dir, traces[0])
+    results: dict[str, dict[str, Side]] = {}
+    for phase in args.phases.split(","):
+        background = []
+        if phase == "loaded":
+            api_key = load_settings({"state_dir": str(state_dir)}).api_key  # as the daemon there reads it
+            background = [Background(_daemon_url(state_dir), api_key) for _ in range(args.streams)]
+            for stream in background:
+                stream.start()
+            await asyncio.sleep(1.0)  # the streams are generating
+        sides = {name: Side(name) for name in SIDES}
+        turn = 0
+        for _ in range(args.rounds):
+            for target in traces:
+                others = [t for t in traces if t is not target]
+                order = list(SIDES) if turn % 2 == 0 else list(reversed(SIDES))  # alternate who goes first
+                turn += 1
+                for name in order:
+                    await one_side(sides[name], SIDES[name], target, others, env, state_dir, args)
+        for stream in background:
+            stream.stopping.set()
+        results[phase] = sides
+    return results
 
 
 def _daemon_url(state_dir: Path) -> str:
@@ -185,77 +372,49 @@ class Background(threading.Thread):
                 self.stopping.wait(1.0)
 
 
-async def bench(args: argparse.Namespace, env: dict, state_dir: Path) -> list[Phase]:
-    before, after, keys = trace(args.function)
-    keys = keys[: args.max_keys] if args.max_keys else keys
-    workspace = Path(tempfile.mkdtemp(prefix="mtplxd-bench-"))
-    lsp = LanguageClient("mtplxd-bench", "1")
-    await lsp.start_io(sys.executable, "-m", "mtplxd", "lsp", "--state-dir", str(state_dir), env=env)
-    capabilities = types.ClientCapabilities(text_document=types.TextDocumentClientCapabilities(
-        inline_completion=types.InlineCompletionClientCapabilities()))
-    await asyncio.wait_for(lsp.initialize_async(types.InitializeParams(
-        capabilities=capabilities, workspace_folders=[types.WorkspaceFolder(workspace.as_uri(), "bench")])), 120)
-    lsp.initialized(types.InitializedParams())
-    phases = []
-    try:
-        name = args.function.rpartition(".")[0].replace(".", "/") + ".py"
-        # warm-up: one explicit request (loads the model, first prefill)
-        warm = (workspace / f"warm-{Path(name).name}").as_uri()
-        lsp.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(warm, "python", 1, before)))
-        end = before.count("\n")
-        await asyncio.wait_for(lsp.protocol.send_request_async(types.TEXT_DOCUMENT_INLINE_COMPLETION,
-            types.InlineCompletionParams(context=types.InlineCompletionContext(
-                trigger_kind=types.InlineCompletionTriggerKind.Invoked),
-                text_document=types.TextDocumentIdentifier(warm), position=types.Position(end, 0))), 300)
-        lsp.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(warm)))
-
-        idle = Phase("idle")
-        await replay(lsp, idle, before, after, keys, args.key_ms, args.pause_ms,
-                     (workspace / f"idle-{Path(name).name}").as_uri())
-        phases.append(idle)
-
-        loaded = Phase("loaded (1 HTTP stream)")
-        api_key = load_settings({"state_dir": str(state_dir)}).api_key  # as the daemon there reads it
-        background = Background(_daemon_url(state_dir), api_key)
-        background.start()
-        await asyncio.sleep(1.0)  # the stream is generating
-        await replay(lsp, loaded, before, after, keys, args.key_ms, args.pause_ms,
-                     (workspace / f"loaded-{Path(name).name}").as_uri())
-        background.stopping.set()
-        loaded.background_tokens = background.tokens
-        phases.append(loaded)
-        await lsp.shutdown_async(None)
-        lsp.exit(None)
-    finally:
-        await asyncio.wait_for(lsp.stop(), 30)
-    return phases
+def report(results: dict[str, dict[str, Side]]) -> None:
+    rows = [
+        ("pause-to-suggestion p50 / p95 ms", lambda f: f"{f['pause_ms'].get('p50')} / {f['pause_ms'].get('p95')}"),
+        ("a file's first pause (cold prompt) p50 ms", lambda f: f["cold_pause_ms"].get("p50")),
+        ("after-accept p50 / p95 ms",
+         lambda f: f"{f['after_accept_ms'].get('p50')} / {f['after_accept_ms'].get('p95')}"),
+        ("prefetch hit rate", lambda f: _percent(f["prefetch_hit_rate"])),
+        ("median suggestion length, chars", lambda f: f["median_chars"]),
+        ("tokens generated per shown char", lambda f: f["tokens_per_shown_char"]),
+        ("prompt tokens prefilled per job (cached share)",
+         lambda f: f"{f['prefilled_per_job']} ({_percent(f['cached_share'])})"),
+        ("first-line exact match", lambda f: f"{_percent(f['first_line_exact'])} of {f['judged']}"),
+        ("accepts / keystrokes / cancelled / errors",
+         lambda f: f"{f['accepts']} / {f['keystrokes']} / {f['cancelled']} / {f['errors']}"),
+    ]
+    for phase, sides in results.items():
+        figures = {name: side.figures() for name, side in sides.items()}
+        print(f"\n{phase}:\n\n| | {' | '.join(figures)} |\n|---|{'---|' * len(figures)}")
+        for label, cell in rows:
+            print(f"| {label} | {' | '.join(str(cell(f)) for f in figures.values())} |")
+    if "idle" in results and "loaded" in results:
+        for name in SIDES:
+            idle, loaded = results["idle"][name].figures(), results["loaded"][name].figures()
+            if idle["pause_ms"].get("p95") and loaded["pause_ms"].get("p95"):
+                times = loaded["pause_ms"]["p95"] / idle["pause_ms"]["p95"]
+                print(f"{name}: loaded/idle pause-to-suggestion p95 {times:.2f} (target <= 1.5)")
 
 
-def report(phases: list[Phase], args: argparse.Namespace) -> None:
-    for p in phases:
-        c = p.connection
-        print(f"{p.name}: {p.keystrokes} keystrokes, {p.with_items} with items ({c.get('cache_hits', 0)} type-ahead), "
-              f"{p.empty} empty, {p.cancelled} cancelled, {p.errors} errors")
-        print(f"  keystroke-to-completion p50 {p.latency_ms.get('p50')} ms, p95 {p.latency_ms.get('p95')} ms"
-              f" (engine-answered: p50 {p.engine_latency_ms.get('p50')} ms, p95 {p.engine_latency_ms.get('p95')} ms,"
-              f" n={p.engine_latency_ms.get('n')})")
-        print(f"  engine jobs: {c.get('jobs_started')} started, {c.get('jobs_cancelled')} cancelled, "
-              f"{c.get('jobs_completed')} completed" +
-              (f"; background stream: {p.background_tokens} chunks" if p.background_tokens else ""))
-    if len(phases) == 2 and phases[0].latency_ms.get("p95") and phases[1].latency_ms.get("p95"):
-        ratio = phases[1].latency_ms["p95"] / phases[0].latency_ms["p95"]
-        engine = (phases[1].engine_latency_ms.get("p95") or 0) / (phases[0].engine_latency_ms.get("p95") or 1)
-        print(f"loaded/idle p95: {ratio:.2f} (engine-answered {engine:.2f}); target <= 1.5")
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", metavar="PATH", help="checkpoint for a scratch daemon (default: embedded)")
     parser.add_argument("--state-dir", metavar="DIR", help="use the daemon running there (default: a scratch one)")
-    parser.add_argument("--function", default="colorsys.rgb_to_hls", help="module.function to type")
-    parser.add_argument("--key-ms", type=float, default=80.0, help="time between keystrokes")
-    parser.add_argument("--pause-ms", type=float, default=1500.0, help="extra pause after Enter (reading the suggestion)")
-    parser.add_argument("--max-keys", type=int, default=0, help="type only the first N keystrokes")
+    parser.add_argument("--functions", default=FUNCTIONS, help="module.function to type, comma-separated")
+    parser.add_argument("--rounds", type=int, default=1, help="times every function is typed on each side")
+    parser.add_argument("--phases", default="idle", help="idle, loaded or both (comma-separated)")
+    parser.add_argument("--streams", type=int, default=8, help="background HTTP streams in the loaded phase")
+    parser.add_argument("--key-ms", type=float, default=60.0, help="time between keystrokes")
+    parser.add_argument("--pause-ms", type=float, default=1000.0, help="extra pause after Enter")
+    parser.add_argument("--read-ms", type=float, default=300.0, help="from a suggestion shown to its accept")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     scratch = None
@@ -269,15 +428,16 @@ def main() -> int:
         if args.model:
             env["MTPLXD_MODEL"] = str(Path(args.model).expanduser().absolute())
     try:
-        phases = asyncio.run(bench(args, env, state_dir))
+        results = asyncio.run(bench(args, env, state_dir))
     finally:
         if scratch is not None:
             daemon_client.stop(state_dir)
             scratch.cleanup()
     if args.json:
-        print(json.dumps([asdict(p) for p in phases], indent=2))
+        print(json.dumps({phase: {name: {**side.figures(), "counters": side.counters} for name, side in sides.items()}
+                          for phase, sides in results.items()}, indent=2))
     else:
-        report(phases, args)
+        report(results)
     return 0
 
 
