@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from engine.checkpoint import CheckpointError
 from engine.distributed import Ranks, shard_trunk
 from engine.quantized import quantize_like_checkpoint
 
@@ -151,3 +152,19 @@ def load_head_weights(head: nn.Module, weights: dict[str, mx.array], prefix: str
     }
     head.load_weights(list(own.items()), strict=True)
     materialize(head)
+
+
+def split_numbered(weights: dict, prefix: str) -> tuple[dict, list[dict]]:
+    """(trunk weights, one dict per MTP layer `{prefix}{i}.` with keys relative to it),
+    for checkpoints that number their MTP layers under a prefix of their own."""
+    trunk: dict = {}
+    by_index: dict[int, dict] = {}
+    for key, value in weights.items():
+        if key.startswith(prefix):
+            index, rest = key[len(prefix):].split(".", 1)
+            by_index.setdefault(int(index), {})[rest] = value
+        else:
+            trunk[key] = value
+    if sorted(by_index) != list(range(len(by_index))):
+        raise CheckpointError(f"MTP layers {sorted(by_index)} under {prefix}* are not numbered from 0")
+    return trunk, [by_index[i] for i in range(len(by_index))]

@@ -36,7 +36,7 @@ from mlx_lm.models import mimo_v2_flash
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from engine.backends.base import Backend, Tape, build_trunk, materialize
+from engine.backends.base import Backend, Tape, build_trunk, materialize, split_numbered
 from engine.checkpoint import CheckpointError
 
 HEAD_PREFIX = "model.mtp.layers."
@@ -89,21 +89,6 @@ class MimoV2FlashBackend(Backend):
         return self.trunk.lm_head(h[:, -1:] if last else h), h
 
 
-def split_heads(weights: dict) -> tuple[dict, list[dict]]:
-    """(trunk weights, one dict per head with keys relative to its layer)."""
-    trunk: dict = {}
-    by_index: dict[int, dict] = {}
-    for key, value in weights.items():
-        if key.startswith(HEAD_PREFIX):
-            index, rest = key[len(HEAD_PREFIX):].split(".", 1)
-            by_index.setdefault(int(index), {})[rest] = value
-        else:
-            trunk[key] = value
-    if sorted(by_index) != list(range(len(by_index))):
-        raise CheckpointError(f"MTP layers {sorted(by_index)} under {HEAD_PREFIX}* are not numbered from 0")
-    return trunk, [by_index[i] for i in range(len(by_index))]
-
-
 def load_head(trunk: nn.Module, layer_weights: dict) -> MTPLayer:
     sanitized = trunk.sanitize({SLOT + k: v for k, v in layer_weights.items()
                                 if not k.endswith("rotary_emb.inv_freq")})
@@ -114,6 +99,6 @@ def load_head(trunk: nn.Module, layer_weights: dict) -> MTPLayer:
 
 
 def load(folder: Path, config: dict, weights: dict) -> MimoV2FlashBackend:
-    trunk_weights, head_weights = split_heads(weights)
+    trunk_weights, head_weights = split_numbered(weights, HEAD_PREFIX)
     trunk = build_trunk(mimo_v2_flash.Model, mimo_v2_flash.ModelArgs, config, trunk_weights)
     return MimoV2FlashBackend(trunk, [load_head(trunk, h) for h in head_weights])

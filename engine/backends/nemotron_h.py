@@ -44,7 +44,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.ssm import ssm_attn
 
-from engine.backends.base import Backend, Tape, build_trunk, materialize
+from engine.backends.base import Backend, Tape, build_trunk, materialize, split_numbered
 from engine.backends.descriptors import head_block_types, head_blocks_problem
 from engine.checkpoint import CheckpointError
 
@@ -176,21 +176,6 @@ def replay_rows(mixer: nemotron_h.NemotronHMamba2Mixer, x: mx.array, cache: Arra
     cache.advance(n)
 
 
-def split_heads(weights: dict) -> tuple[dict, list[dict]]:
-    """(trunk weights, one dict per MTP layer with keys relative to it)."""
-    trunk: dict = {}
-    by_index: dict[int, dict] = {}
-    for key, value in weights.items():
-        if key.startswith(HEAD_PREFIX):
-            index, rest = key[len(HEAD_PREFIX):].split(".", 1)
-            by_index.setdefault(int(index), {})[rest] = value
-        else:
-            trunk[key] = value
-    if sorted(by_index) != list(range(len(by_index))):
-        raise CheckpointError(f"MTP layers {sorted(by_index)} under {HEAD_PREFIX}* are not numbered from 0")
-    return trunk, [by_index[i] for i in range(len(by_index))]
-
-
 def load_head(trunk: nn.Module, blocks: tuple[str, ...], layers: list[dict]) -> MTPHead:
     """One head from its P layers' tensors, each sanitized as a trunk layer would be."""
     own: dict[str, mx.array] = {}
@@ -219,7 +204,7 @@ def untagged(value: Any) -> Any:
 
 
 def load(folder: Path, config: dict, weights: dict) -> NemotronHBackend:
-    trunk_weights, layers = split_heads(weights)
+    trunk_weights, layers = split_numbered(weights, HEAD_PREFIX)
     # A copy (mlx-lm's ModelArgs keeps the caller's lists), with non-finite floats untagged:
     # a config saved by transformers 5 or mlx-lm (a converted folder) tags time_step_limit's inf.
     trunk = build_trunk(nemotron_h.Model, nemotron_h.ModelArgs, untagged(copy.deepcopy(config)), trunk_weights)
