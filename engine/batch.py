@@ -100,7 +100,6 @@ class DecodeBatch:
         self._offsets: list[list[int]] = []  # per head, per row: real entries in its cache
         self._keys: mx.array | None = None  # [B, 2]: each row's random key (Generation._key) while in the batch
         self._ranks = backend.ranks  # several ranks: rank 0's draws and verdicts (engine/distributed.py)
-        self._decide = backend.ranks.decide
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -182,9 +181,9 @@ class DecodeBatch:
         last = logits[:, -1]
         keys, groups = self._next_keys(), _groups(self.rows)
         drawn, _, checks = _draw_rows(groups, last, keys, exact=False)
-        (drawn,) = self._decide(drawn)
+        (drawn,) = self._ranks.decide(drawn)
         if not self._ranks.held(checks, [drawn]):  # a top-p cut beyond the shortcut: same keys, exactly
-            (drawn,) = self._decide(_draw_rows(groups, last, keys, exact=True)[0])
+            (drawn,) = self._ranks.decide(_draw_rows(groups, last, keys, exact=True)[0])
         split, hosts = row_logits(last), self._host_rows(last)
         return [row.commit_drawn(token, split[i], None if hidden is None else hidden[i : i + 1], hosts[i])
                 for i, (row, token) in enumerate(zip(self.rows, drawn.tolist()))]
@@ -217,8 +216,8 @@ class DecodeBatch:
         window = mx.concatenate([mx.array([[row.tokens[-1]] for row in rows]), drafts], axis=1)
         tape = Tape(length=K + 1)
         logits, hidden = self.backend.forward(window, self._cache, tape)
-        n_accepted, next_tokens = self._decide(*_verify_groups(groups, logits, q, drafts, self._next_keys(), exact,
-                                                               checks))
+        verdicts = _verify_groups(groups, logits, q, drafts, self._next_keys(), exact, checks)
+        n_accepted, next_tokens = self._ranks.decide(*verdicts)
         if not self._ranks.held(checks, [n_accepted, next_tokens, drafts]):
             self._undo(tape, lengths)
             self._keys = keys
@@ -252,7 +251,7 @@ class DecodeBatch:
             logits, out = self.backend.head(final, outputs.last(), drafts[-1][:, None], self._heads[final], last=True)
             self._add_drafts(logits[:, -1], groups, drafts, q, exact, checks)
             outputs = _Ragged(out, [1] * len(self.rows))
-        return self._decide(mx.stack(drafts, axis=1))[0], q, inputs  # rank 0's (Generation._draft)
+        return self._ranks.decide(mx.stack(drafts, axis=1))[0], q, inputs  # rank 0's (Generation._draft)
 
     def _head_tokens(self, k: int, T: list[int], drafts: list[mx.array], counts: list[int]) -> mx.array:
         """Head k's tokens [B, L]: token_{p+k+1} for each row's positions p from its

@@ -58,9 +58,7 @@ class Engine:
         if target is not None and quantization(config) is not None:
             _dequantize(backend.trunk)
         context = int(text_config(config).get("max_position_embeddings") or 4096)
-        engine = cls(folder, backend, report.descriptor, load_tokenizer(folder), context)
-        engine.sharding = sharding
-        return engine
+        return cls(folder, backend, report.descriptor, load_tokenizer(folder), context, sharding)
 
     def open(self, request: GenerationRequest, restore: Restore | None = None, record: bool = False) -> Generation:
         """`restore`: start from a session-bank snapshot; `record`: keep what `snapshot()` needs."""

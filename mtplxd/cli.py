@@ -108,7 +108,7 @@ def _start(args: argparse.Namespace) -> int:
 def _launched(settings: Any, rank: int) -> int:
     from mtplxd.ranks.world import World
 
-    world = World(rank, 0, "any")  # mlx.launch set what mx.distributed.init reads
+    world = World(rank, "any")  # mlx.launch set what mx.distributed.init reads
     if rank > 0:
         return _follow_as(world, settings.state_dir, settings.log_level)
     if settings.ranks > 1:
@@ -138,7 +138,7 @@ def _follow(args: argparse.Namespace) -> int:
         print("mtplxd: follow runs as a rank above 0 (MLX_RANK), started by `mtplxd start --ranks N` "
               "or mlx.launch", file=sys.stderr)
         return 2
-    return _follow_as(World(rank, 0, "any"), resolve_state_dir(args.state_dir), args.log_level)
+    return _follow_as(World(rank, "any"), resolve_state_dir(args.state_dir), args.log_level)
 
 
 def _follow_as(world: Any, state_dir: Any, level: str) -> int:

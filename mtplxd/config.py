@@ -73,6 +73,17 @@ def launched_rank(environ: Mapping[str, str] | None = None) -> int | None:
     return int(value)
 
 
+def rank_environment(rank: int, hostfile: Path) -> dict[str, str]:
+    """This process's environment with what MLX's ring backend reads for `rank` (the
+    variables mlx.launch sets): for a follower rank started here."""
+    return {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+
+
+def export_environment(variables: Mapping[str, str]) -> None:
+    """Set variables for libraries that read the environment (mx.distributed.init)."""
+    os.environ.update(variables)
+
+
 def is_loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True

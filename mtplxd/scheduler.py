@@ -358,7 +358,8 @@ class Scheduler:
         by_row = {id(_text_job(e).generation): e for e, b in self._batched.items() if b is batch}
         entries = [by_row[id(row)] for row in batch.rows]  # in the batch's row order
         try:
-            self._announce(StepBatch(batch.depth, tuple(row_check(row) for row in batch.rows)))
+            if self.ranks is not None:
+                self.ranks.announce(StepBatch(batch.depth, tuple(row_check(row) for row in batch.rows)))
             results = batch.step()
         except Exception as e:  # the batch's caches may be half-updated: end every row
             log.exception("batched step failed")
@@ -380,7 +381,7 @@ class Scheduler:
                 self._finish(entry)
 
     def _close(self, entry: _Entry) -> None:
-        """Close a cancelled job (out of the batch first: it closes with its own caches)."""
+        """Close an entry's job (out of the batch first: it closes with its own caches)."""
         self._unbatch(entry)
         self._tell(Close(entry.id))
         assert entry.job is not None
@@ -407,8 +408,10 @@ class Scheduler:
                 entry.job = self._start(entry)
                 if isinstance(entry.job, TextJob):
                     entry.job.queue_wait_s = time.perf_counter() - entry.submitted
-            generation = getattr(entry.job, "generation", None)
-            self._announce(Step(entry.id, row_check(generation) if isinstance(generation, Generation) else None))
+            if self.ranks is not None:
+                generation = getattr(entry.job, "generation", None)
+                check = row_check(generation) if isinstance(generation, Generation) else None
+                self.ranks.announce(Step(entry.id, check))
             events = entry.job.step()
         except ValueError as e:
             events = [Failed(str(e), "invalid")]
@@ -481,8 +484,7 @@ class Scheduler:
                 if entry in queue:
                     queue.remove(entry)
         if entry.job is not None:
-            self._tell(Close(entry.id))
-            entry.job.close()
+            self._close(entry)
         self.completed += 1
         self._close_stream(entry)
 

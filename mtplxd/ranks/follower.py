@@ -58,7 +58,9 @@ class Mirror:
             job.offer_prompt_snapshot()
             if command.depth == 0:
                 job.generation.to_ar()
-            batch = self.batches.setdefault(command.depth, DecodeBatch(self.engine.backend, command.depth))
+            if command.depth not in self.batches:
+                self.batches[command.depth] = DecodeBatch(self.engine.backend, command.depth)
+            batch = self.batches[command.depth]
             batch.join(job.generation)
             self.batched[command.entry] = batch
         elif isinstance(command, Leave):

@@ -70,21 +70,16 @@ class Leader:
 
     def tell(self, command: Command) -> None:
         """Announce housekeeping that needs no answer once the ranks have failed."""
-        if self.failure is None:
-            try:
-                self.announce(command)
-            except RanksFailed:
-                pass
+        try:
+            self.announce(command)
+        except RanksFailed:
+            pass
 
     def idle(self) -> None:
         """The worker has nothing to run; ping now and then."""
+        if time.monotonic() - self._last_contact >= PING_S:
+            self.tell(Ping())
         self._busy_since = None
-        if self.failure is None and time.monotonic() - self._last_contact >= PING_S:
-            try:
-                self.announce(Ping())
-            except RanksFailed:
-                pass
-            self._busy_since = None
 
     def watch(self) -> str | None:
         """(event loop) A failure the worker cannot report itself: a rank started here

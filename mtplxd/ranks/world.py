@@ -11,7 +11,6 @@ Under `mlx.launch` every process already has them (mtplxd/config.py reads them) 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -25,20 +24,17 @@ from typing import Any
 @dataclass(frozen=True)
 class World:
     rank: int
-    size: int  # 0 when mlx.launch started us: the group knows
     backend: str  # mx.distributed backend: "ring" here, "any" under mlx.launch
-    environment: tuple[tuple[str, str], ...] = ()  # what mx.distributed.init reads
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
+    environment: tuple[tuple[str, str], ...] = ()  # what mx.distributed.init reads (mlx.launch set it already)
 
 
 def init_group(world: World) -> Any:
     """Join the other ranks (blocks until every rank is there)."""
     import mlx.core as mx
 
-    os.environ.update(dict(world.environment))  # mx.distributed.init reads its settings there
+    from mtplxd.config import export_environment
+
+    export_environment(dict(world.environment))
     return mx.distributed.init(strict=True, backend=world.backend)
 
 
@@ -59,15 +55,17 @@ def local_world(size: int, folder: Path) -> tuple[World, Path]:
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
     hostfile.chmod(0o600)
     environment = (("MLX_RANK", "0"), ("MLX_HOSTFILE", str(hostfile)))
-    return World(0, size, "ring", environment), hostfile
+    return World(0, "ring", environment), hostfile
 
 
 def start_followers(size: int, hostfile: Path, state_dir: Path, log_folder: Path) -> list[subprocess.Popen]:
     """Ranks 1..size-1 as `mtplxd follow` processes of this one (their output in the
     state dir's logs)."""
+    from mtplxd.config import rank_environment
+
     followers = []
     for rank in range(1, size):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+        env = rank_environment(rank, hostfile)
         log = open(log_folder / f"rank{rank}.log", "ab")
         followers.append(subprocess.Popen(
             [sys.executable, "-m", "mtplxd", "follow", "--state-dir", str(state_dir)],
