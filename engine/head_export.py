@@ -13,6 +13,8 @@ leave already-prepared tensors alone, so loading the sidecar again is exact.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -27,14 +29,16 @@ def head_prefix(pattern: str, index: int, n_layers: int) -> str:
     return pattern.replace("{n+i}", str(n_layers + index)).replace("{i}", str(index))
 
 
-def head_tensors(d: BackendDescriptor, heads: list[nn.Module], n_layers: int) -> dict[str, mx.array]:
-    """Every head's parameters under the family's key names.
+def head_tensors(d: BackendDescriptor, heads: list[nn.Module], n_layers: int,
+                 pattern: str | None = None) -> dict[str, mx.array]:
+    """Every head's parameters under the family's key names (those of `pattern`, one of
+    the descriptor's; by default its first).
 
     Qwen's shared parts (`fc.weight`, the pre-fc norms, the final norm) are the
     same tensors in every head (each head is built from the one shared copy),
     so they are written once, beside the layers.
     """
-    pattern = d.head_key_patterns[0]
+    pattern = pattern or d.head_key_patterns[0]
     shared_root = pattern.rsplit("layers.", 1)[0]
     tensors: dict[str, mx.array] = {}
     for i, head in enumerate(heads):
@@ -45,3 +49,15 @@ def head_tensors(d: BackendDescriptor, heads: list[nn.Module], n_layers: int) ->
             else:
                 tensors[prefix + name] = value
     return tensors
+
+
+def stored_head_pattern(d: BackendDescriptor, keys: Iterable[str], n_layers: int) -> str:
+    """The descriptor pattern a checkpoint's head keys use (Qwen3.5's heads may sit at
+    `mtp.layers.{i}.` or under `model.language_model.`), so heads written back keep the
+    source's names; the first pattern when no key matches."""
+    keys = list(keys)
+    for pattern in d.head_key_patterns:
+        first = head_prefix(pattern, 0, n_layers)
+        if any(k.startswith(first) for k in keys):
+            return pattern
+    return d.head_key_patterns[0]

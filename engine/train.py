@@ -5,6 +5,7 @@
 
     from engine.train import HeadsSettings, train_heads
     train_heads(HeadsSettings(model="qwen2-dir", out="with-heads"))   # heads only
+    train_heads(HeadsSettings(model="qwen3-next-dir", out="better", replace_heads=True))  # its own, further
 
     resume_training("model-dir")                            # either kind, from its last save
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 ENGINE_TESTS = [
     "tests/test_engine.py", "tests/test_backends_nextn.py", "tests/test_backends_qwen.py",
-    "tests/test_backends_nemotron_h.py",
+    "tests/test_backends_nemotron_h.py", "tests/test_backends_deepseek_v4.py",
     "tests/test_decode_path.py", "tests/test_session_bank.py", "tests/test_models.py",
     "tests/test_speculative.py", "tests/test_engine_exactness.py", "tests/test_train.py", "tests/test_batch.py",
 ]

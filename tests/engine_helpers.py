@@ -30,6 +30,7 @@ BACKEND_MODULES = {
     "glm_moe_dsa": "engine.backends.glm_moe_dsa",
     "nemotron_h": "engine.backends.nemotron_h",
     "hy_v3": "engine.backends.hy_v3",
+    "deepseek_v4": "engine.backends.deepseek_v4",
 }
 
 

@@ -157,6 +157,7 @@ def test_real_checkpoint_with_its_heads_removed(tmp_path, family):
     ("glm_moe_dsa", "model.layers.{2+i}."),
     ("nemotron_h", "mtp.layers.{i}."),
     ("hy_v3", "model.layers.{2+i}."),
+    ("deepseek_v4", "mtp.{i}."),
 ])
 def test_config_names_heads_weights_lack_them(tmp_path, family, looked_for):
     report = inspect_checkpoint(write_layout(family, tmp_path, mtp_heads=0, config_heads=1))
@@ -185,6 +186,9 @@ def test_config_names_heads_weights_lack_them(tmp_path, family, looked_for):
     ("nemotron_h", ("mtp.layers.3.",), "3 MTP layer(s) at mtp.layers.{i}.* do not make whole heads of 2 blocks"),
     ("nemotron_h", ("mtp.layers.1.",), "MTP layer 1 is missing"),
     ("hy_v3", ("layers.3.final_layernorm",), "model.layers.3.final_layernorm.weight"),
+    ("deepseek_v4", ("mtp.1.h_proj",), "mtp.1.h_proj.weight"),
+    ("deepseek_v4", ("mtp.0.hc_ffn_",), "mtp.0.hc_ffn_fn"),
+    ("deepseek_v4", ("mtp.0.",), "MTP head 0 is missing"),
 ])
 def test_partial_head_is_unsupported(tmp_path, family, drop, missing):
     folder = write_layout(family, tmp_path, mtp_heads=2, drop=drop)
@@ -265,22 +269,25 @@ def test_nemotron_h_repeated_head_counts_by_weights(tmp_path):
     assert "num_nextn_predict_layers=2" in report.reason
 
 
-def test_deepseek_v4_heads_are_counted_but_unsupported(tmp_path):
-    """DeepSeek-V4's heads (`mtp.{i}.*`, separate e_proj / h_proj) are recognised and
-    counted, but no backend runs its trunk: unsupported, with why, never AR in its place;
-    without heads, or with a partial head, it says so too."""
+def test_deepseek_v4_heads_are_supported(tmp_path):
+    """DeepSeek-V4's heads (`mtp.{i}.*`, separate e_proj / h_proj, their own hc_head_*) run
+    on the trunk engine/backends/deepseek_v4.py writes (mlx-lm has none): supported with
+    heads; without them AR-only through the same backend, never `plain`; a partial head
+    is unsupported and says what is missing. (Config values and weight formats the backend
+    does not implement: unsupported here and refused at load, tests/test_backends_deepseek_v4.py.)"""
     report = inspect_checkpoint(write_layout("deepseek_v4", tmp_path / "a", mtp_heads=1))
-    assert (report.family, report.status, report.mtp_heads, report.depth_max, report.descriptor) == (
-        "deepseek_v4", "unsupported", 1, 0, None)
-    assert "1 MTP head(s) at mtp.{i}.*" in report.reason and "compressed sparse attention" in report.reason
+    assert (report.family, report.status, report.mtp_heads, report.depth_max) == ("deepseek_v4", "supported", 1, 4)
+    assert report.descriptor.backend_module == "engine.backends.deepseek_v4" and report.descriptor.own_trunk
+    assert "1 MTP head(s) at mtp.{i}.*" in report.reason
     assert report.head_keys_found and report.head_keys_found[0].startswith("mtp.0.")
     bare = inspect_checkpoint(write_layout("deepseek_v4", tmp_path / "b", mtp_heads=0, config_heads=1))
-    assert (bare.status, bare.mtp_heads, bare.descriptor) == ("unsupported", 0, None)
-    assert "no MTP head weights found (looked for mtp.{i}.*)" in bare.reason and "hyper-connections" in bare.reason
+    assert (bare.status, bare.mtp_heads, bare.descriptor.backend_module) == (
+        "ar-only", 0, "engine.backends.deepseek_v4")
+    assert "no MTP head weights found (looked for mtp.{i}.*)" in bare.reason
     partial = inspect_checkpoint(write_layout("deepseek_v4", tmp_path / "c", mtp_heads=1, drop=("mtp.0.h_proj",)))
     assert partial.status == "unsupported" and "missing mtp.0.h_proj.weight" in partial.reason
     result = cli("inspect", "--json", str(tmp_path / "a"))
-    assert result.returncode == 4 and json.loads(result.stdout)["status"] == "unsupported"
+    assert result.returncode == 0 and json.loads(result.stdout)["status"] == "supported"
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "mistral"])

@@ -32,8 +32,9 @@ HOT = SamplerSettings(temperature=1.0)
 KW = dict(sampler=HOT, depth=2, max_tokens=24, seed=11)
 # attention-only, hybrid (GatedDeltaNet), then MoE trunks with sliding windows (MiMo-V2-Flash,
 # Step-3.5) and with GLM-5's sparse attention, whose indexer keys sit in the attention cache;
-# Hy-V3, whose trunk is written in its backend; Nemotron-H, a hybrid with Mamba2 state
-FAMILIES = ["mimo", "qwen3_next", "mimo_v2_flash", "step3p5", "glm_moe_dsa", "hy_v3", "nemotron_h"]
+# Hy-V3, whose trunk is written in its backend; Nemotron-H, a hybrid with Mamba2 state; DeepSeek-V4,
+# whose compressor inputs and compressed entries sit in its attention caches
+FAMILIES = ["mimo", "qwen3_next", "mimo_v2_flash", "step3p5", "glm_moe_dsa", "hy_v3", "nemotron_h", "deepseek_v4"]
 MiB = 1 << 20
 
 

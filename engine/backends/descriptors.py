@@ -48,7 +48,9 @@ class BackendDescriptor:
     head_parts are then those of its first layer, last_parts those of its last,
     layer_parts those of every one. unsupported: why mtplxd cannot run the family
     yet (its heads are recognised and counted, and inspect says this instead of
-    promising MTP or running AR in its place).
+    promising MTP or running AR in its place). check: the family's own test of
+    a checkpoint's config and tensor names (pure Python: inspection never loads MLX),
+    whose answer makes it `unsupported` with that reason.
     """
 
     family: str
@@ -66,6 +68,9 @@ class BackendDescriptor:
     last_parts: tuple[str, ...] = ()
     layer_parts: tuple[str, ...] = ()
     unsupported: str = ""
+    # What in a checkpoint of the family the backend cannot run (config values, weight
+    # formats), from its text config and tensor names; None: nothing.
+    check: Callable[[dict[str, Any], Collection[str]], str | None] | None = None
 
 
 _BLOCK = ("input_layernorm.weight", "self_attn.", "post_attention_layernorm.weight", "mlp.")
@@ -96,6 +101,34 @@ def _qwen(family: str, model_types: tuple[str, ...], sampler: SamplerDefaults) -
         family, model_types, f"engine.backends.{family}", (_QWEN_COUNT,), _QWEN_PATTERNS,
         _BLOCK, _QWEN_SHARED, sampler, norm_shift=True,
     )
+
+
+def deepseek_v4_unsupported(config: dict[str, Any], keys: Collection[str] = ()) -> str | None:
+    """What engine/backends/deepseek_v4.py does not implement in this checkpoint, or None."""
+    problems = []
+    if config.get("num_key_value_heads", 1) != 1:
+        problems.append(f"num_key_value_heads={config['num_key_value_heads']} (one shared KV head is the design)")
+    if config.get("n_shared_experts", 1) != 1:
+        problems.append(f"n_shared_experts={config['n_shared_experts']} (the reference asserts 1)")
+    if config.get("scoring_func", "sqrtsoftplus") not in ("sqrtsoftplus", "sigmoid", "softmax"):
+        problems.append(f"scoring_func={config['scoring_func']!r}")
+    if config.get("hidden_act", "silu") != "silu" or config.get("tie_word_embeddings"):
+        problems.append("a non-silu activation or tied embeddings")
+    ratios = config.get("compress_ratios")
+    if not isinstance(ratios, list) or any(not isinstance(r, int) or r < 0 for r in ratios):
+        problems.append(f"compress_ratios={ratios!r} (a list of one ratio per layer; "
+                        "a config with layer_types instead is not read)")
+    elif len(ratios) < config.get("num_hidden_layers", 0):
+        problems.append(f"{len(ratios)} compress_ratios for {config.get('num_hidden_layers')} layers")
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("type", scaling.get("rope_type")) if isinstance(scaling, dict) else scaling
+    if kind not in (None, "yarn", "default"):
+        problems.append(f"rope_scaling type {kind!r} (DeepSeek-V4 uses YaRN)")
+    scaled = sorted(k for k in keys if k.endswith(".scale"))
+    if scaled:
+        problems.append(f"FP8 / FP4 weights with per-block scales ({scaled[0]} and {len(scaled) - 1} more): "
+                        "convert them to bfloat16 first")
+    return "deepseek_v4: not implemented for " + "; ".join(problems) if problems else None
 
 
 DESCRIPTORS: dict[str, BackendDescriptor] = {
@@ -139,17 +172,14 @@ DESCRIPTORS: dict[str, BackendDescriptor] = {
         BackendDescriptor(
             "deepseek_v4", ("deepseek_v4",), "engine.backends.deepseek_v4", (_NEXTN,), ("mtp.{i}.",),
             ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "norm.weight", "hc_head_fn",
-             "hc_head_base", "hc_head_scale", "attn_norm.weight", "attn.", "ffn_norm.weight", "ffn."),
-            sampler_defaults=SamplerDefaults(1.0, 1.0), own_trunk=True,
-            unsupported=("mtplxd has no DeepSeek-V4 trunk yet: its compressed sparse attention keeps "
-                         "compressor state over blocks of 4 and 128 tokens (plus a lightning indexer) "
-                         "that a rejected draft must roll back, and its hyper-connections "
-                         "(Sinkhorn-mixed residual streams, which also feed the MTP head) are not "
-                         "written; no backend runs it, so neither MTP nor AR"),
+             "hc_head_base", "hc_head_scale", "attn_norm.weight", "attn.", "ffn_norm.weight", "ffn.",
+             "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"),
+            sampler_defaults=SamplerDefaults(1.0, 1.0), own_trunk=True, check=deepseek_v4_unsupported,
         ),
     )
 }
 _BY_MODEL_TYPE = {t: d for d in DESCRIPTORS.values() for t in d.model_types}
+
 
 
 def head_block_types(config: dict[str, Any], fields: tuple[str, ...] = _NEMOTRON_BLOCKS) -> tuple[str, ...]:
@@ -351,6 +381,9 @@ def _with_family(d: BackendDescriptor, config: dict[str, Any], keys: Collection[
     if found is None and not d.own_trunk and not mlx_lm_can_build(mlx_model_type(config)):
         why = f"no MTP head weights and mlx-lm cannot build model_type {config['model_type']!r}"
         return InspectReport(d.family, 0, 0, "unsupported", why)
+    why_not = d.check(tc, keys) if d.check else None
+    if why_not:
+        return InspectReport(d.family, len(found.parts) if found else 0, 0, "unsupported", why_not)
     if found is None and d.unsupported:
         looked = ", ".join(s.pattern + "*" for s in scans)
         return InspectReport(d.family, 0, 0, "unsupported",

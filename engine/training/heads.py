@@ -19,22 +19,41 @@ file system allows, else copies), the heads in a sidecar `mtp.safetensors`
 `num_nextn_predict_layers`. MiMo's trunk is Qwen2's trunk, so an AR-only
 Qwen2 checkpoint becomes a MiMo one by its config alone; a Llama-style trunk
 (no attention biases) also gets zero q/k/v biases in `model-zero-bias.safetensors`.
+
+A checkpoint of any other MTP family the engine runs (DeepSeek-V3, GLM-4.5, GLM-5,
+Step-3.5, MiMo-V2-Flash, Hunyuan-V3, Nemotron-H, Qwen3-Next, Qwen3.5), with
+--replace-heads: its OWN heads are distilled further, by the same loss. They
+are the loaded backend's head modules, run through its `head(k, hidden, tokens,
+cache)` contract and chained as engine/generation.py chains them (head k reads
+head k-1's output and token p+k+1), each over the whole window with a fresh
+head cache, as a prefill would. They go back under the family's own key names
+into the sidecar (engine/head_export.py, as `mtplxd convert` writes them); the
+trunk files are copied byte for byte without the old head tensors, config.json
+unchanged. MiMo's own heads take the MiMo path above (its unfused training
+attention is much faster to differentiate on the CPU).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
-from engine.backends.descriptors import inspect_checkpoint, mlx_model_type
+from engine.backends.base import Backend
+from engine.backends.descriptors import InspectReport, head_key_predicate, inspect_checkpoint, mlx_model_type
 from engine.backends.mimo import HEAD_PREFIX
-from engine.checkpoint import CheckpointError, read_config, read_header, weight_keys
+from engine.checkpoint import CheckpointError, read_config, read_header, text_config, weight_keys
+from engine.head_export import HEADS_FILE, head_tensors, stored_head_pattern
 from engine.prompts import fim_tokens
 from engine.training import trainer
 from engine.training.corpus import held_out_files, load_corpus, manifest
@@ -45,10 +64,11 @@ from engine.training.model import (
 )
 from engine.training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 
-SIDECAR = "mtp.safetensors"
+SIDECAR = HEADS_FILE  # mtp.safetensors, where the loader and `mtplxd convert` keep heads
 ZERO_BIAS = "model-zero-bias.safetensors"
 CONVERTIBLE = ("mimo", "qwen2", "llama")
 _DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
+_INDEX = "model.safetensors.index.json"
 
 
 @dataclass
@@ -57,7 +77,7 @@ class HeadsSettings:
     out: str
     corpus: str | None = None
     max_corpus_bytes: int | None = None
-    heads: int = 2
+    heads: int | None = None  # new heads: 2; --replace-heads on another family: the checkpoint's own count
     seq_len: int = 256
     batch: int = 8
     steps: int = 600
@@ -71,7 +91,7 @@ class HeadsSettings:
     progress: bool = True
     threads: int | None = 1  # BLAS threads (see trainer.LoopSettings)
     max_minutes: float | None = None  # a time budget: stop and save when spent
-    # A MiMo checkpoint that has heads: distil them further, starting from their weights
+    # A checkpoint that has heads: distil them further, starting from their weights
     # (joint training leaves heads that agree with the trunk less than distilled ones).
     replace_heads: bool = False
 
@@ -82,8 +102,9 @@ def mimo_config(config: dict, keys: set[str], heads: int) -> tuple[dict, dict[st
     for trunks MiMo's layout cannot express."""
     kind = mlx_model_type(config)
     if kind not in CONVERTIBLE:
-        raise CheckpointError(f"model_type {config.get('model_type')!r}: heads-only training supports "
-                              f"MiMo, Qwen2 and Llama-style dense trunks")
+        raise CheckpointError(f"model_type {config.get('model_type')!r}: new heads are MiMo-style, for MiMo, "
+                              f"Qwen2 and Llama-style dense trunks (a checkpoint of an MTP family that has "
+                              f"its own heads can distil them further with --replace-heads)")
     if isinstance(config.get("text_config"), dict):
         raise CheckpointError("nested text_config (a multimodal checkpoint) is not supported")
     d, n_heads = config["hidden_size"], config["num_attention_heads"]
@@ -140,7 +161,7 @@ def prepare_output(src: Path, out: Path, heads: int, replace: bool = False) -> t
     Returns the new config and the dtype to store the heads in."""
     report = inspect_checkpoint(src)
     if report.mtp_heads > 0 and not (replace and report.family == "mimo"):
-        hint = " (--replace-heads distils a MiMo checkpoint's heads further)" if report.family == "mimo" else ""
+        hint = " (--replace-heads distils them further)" if report.status == "supported" else ""
         raise CheckpointError(f"{src} already has {report.mtp_heads} MTP head(s){hint}")
     config = read_config(src)
     keys = {k: f for k, f in weight_keys(src).items() if not k.startswith(HEAD_PREFIX)}
@@ -149,26 +170,105 @@ def prepare_output(src: Path, out: Path, heads: int, replace: bool = False) -> t
     if embed not in keys:
         raise CheckpointError(f"{src}: no {embed}")
     dtype = _DTYPES.get(read_header(keys[embed])[embed]["dtype"], mx.float32)
-    if out.resolve() == src.resolve():
-        raise ValueError("--out must be a new folder, not the model's own")
-    out.mkdir(parents=True, exist_ok=True)
-    for path in sorted(src.iterdir()):
-        if path.is_file() and path.name not in ("config.json", SIDECAR, ZERO_BIAS):
-            _copy_trunk_file(path, out / path.name)
+    _check_new_folder(src, out)
+    copy_without_heads(src, out, lambda k: k.startswith(HEAD_PREFIX), skip=("config.json", ZERO_BIAS))
     if biases:
         save_safetensors(out / ZERO_BIAS, {k: mx.zeros(s, dtype) for k, s in biases.items()}, None)
     write_json(out / "config.json", new_config)
     return new_config, dtype
 
 
-def _copy_trunk_file(src: Path, dst: Path) -> None:
-    """Link or copy a file of the source; a weight file that holds old heads is
-    rewritten without them (the new ones go to the sidecar)."""
-    if src.suffix == ".safetensors" and any(k.startswith(HEAD_PREFIX) for k in read_header(src)):
-        trunk = {k: v for k, v in mx.load(str(src)).items() if not k.startswith(HEAD_PREFIX)}
-        save_safetensors(dst, trunk, None)
-        return
-    _link_or_copy(src, dst)
+def distils_family_heads(report: InspectReport, replace: bool) -> bool:
+    """Whether this run trains a (non-MiMo) family's own heads rather than MiMo-style ones."""
+    return replace and report.mtp_heads > 0 and report.family != "mimo"
+
+
+def prepare_family_output(src: Path, out: Path, report: InspectReport, heads: int | None) -> tuple[dict, mx.Dtype]:
+    """Check that the family's own heads can be trained, copy the source into `out`
+    without them. Returns the (unchanged) config and the dtype the source stores heads in."""
+    if report.status != "supported":
+        raise CheckpointError(f"{src}: cannot train {report.family}'s heads: {report.reason}")
+    if heads not in (None, report.mtp_heads):
+        raise CheckpointError(f"--heads {heads}: --replace-heads trains the checkpoint's own "
+                              f"{report.mtp_heads} {report.family} head(s); it cannot add or drop heads")
+    config = read_config(src)
+    is_head = head_key_predicate(report.descriptor, _trunk_layers(config))
+    dtype = _head_dtype(src, is_head)
+    _check_new_folder(src, out)
+    copy_without_heads(src, out, is_head)
+    return config, dtype
+
+
+def _head_dtype(src: Path, is_head: Callable[[str], bool]) -> mx.Dtype:
+    """The widest float dtype the source stores its heads in (fp8 heads come back bfloat16)."""
+    found = {info["dtype"] for path in set(weight_keys(src).values())
+             for k, info in read_header(path).items() if is_head(k)}
+    return next((_DTYPES[t] for t in ("F32", "BF16", "F16") if t in found), mx.bfloat16)
+
+
+def _trunk_layers(config: dict) -> int:
+    return int(text_config(config).get("num_hidden_layers") or 0)
+
+
+def _check_new_folder(src: Path, out: Path) -> None:
+    if out.resolve() == src.resolve():
+        raise ValueError("--out must be a new folder, not the model's own")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def copy_without_heads(src: Path, out: Path, is_head: Callable[[str], bool], skip: tuple[str, ...] = ()) -> None:
+    """Every top-level file of `src` into `out`: weight files without the head tensors
+    (a file of heads alone is left out: the new heads go to the sidecar), the index
+    without their entries, everything else linked or copied as it is."""
+    for path in sorted(src.iterdir()):
+        if not path.is_file() or path.name in skip:
+            continue
+        dst = out / path.name
+        if path.suffix == ".safetensors" and any(is_head(k) for k in read_header(path)):
+            write_safetensors_subset(path, dst, lambda k: not is_head(k))
+        elif path.name == _INDEX:
+            index = json.loads(path.read_text())
+            index["weight_map"] = {k: f for k, f in index.get("weight_map", {}).items() if not is_head(k)}
+            write_json(dst, index)
+        else:
+            _link_or_copy(path, dst)
+
+
+def write_safetensors_subset(src: Path, dst: Path, keep: Callable[[str], bool]) -> None:
+    """The tensors of `src` that `keep` accepts, byte for byte (any dtype, never decoded,
+    never all in memory), into `dst`; nothing is written when none is kept."""
+    with src.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        metadata = header.pop("__metadata__", None)
+        kept = sorted((k for k in header if keep(k)), key=lambda k: header[k]["data_offsets"][0])
+        if not kept:
+            return
+        new: dict = {"__metadata__": metadata} if metadata is not None else {}
+        offset = 0
+        for k in kept:
+            start, end = header[k]["data_offsets"]
+            new[k] = {**header[k], "data_offsets": [offset, offset + end - start]}
+            offset += end - start
+        text = json.dumps(new, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the format aligns the data to 8 bytes
+        tmp = dst.with_name(dst.name + ".tmp")
+        with tmp.open("wb") as w:
+            w.write(struct.pack("<Q", len(text)) + text)
+            for k in kept:
+                start, end = header[k]["data_offsets"]
+                f.seek(8 + n + start)
+                _copy_bytes(f, w, end - start)
+    os.replace(tmp, dst)
+
+
+def _copy_bytes(f, w, n: int, chunk: int = 1 << 26) -> None:
+    while n > 0:
+        data = f.read(min(n, chunk))
+        if not data:
+            raise CheckpointError(f"{f.name}: truncated safetensors file")
+        w.write(data)
+        n -= len(data)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -178,6 +278,119 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+class FamilyHeads(nn.Module):
+    """A loaded backend's own MTP heads as one trainable module. The trunk stays outside
+    it (frozen); both are reached only through the backend's forward / head contract, so
+    the heads train exactly as the generation loop runs them.
+
+    Same interface as MTPModel where the losses need one: trunk_forward, heads_forward,
+    named_tensors, n_heads.
+    """
+
+    def __init__(self, backend: Backend, report: InspectReport, src: Path):
+        super().__init__()
+        _check_head_caches(backend)
+        self.heads = backend.heads  # the backend's own list: training updates what it runs
+        self._backend = backend
+        _tie_shared_parts(backend.heads, report.descriptor.shared_parts)
+        _freeze_integer_arrays(backend.heads)
+        self._export = _exporter(backend, report, src)
+        self._offsets = _layout_offsets(report, src, self._export())
+        for head in self.heads:
+            head.set_dtype(mx.float32)
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.heads)
+
+    def trunk_forward(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(logits, the hidden head 0 reads) over x, a fresh cache: a prefill."""
+        return self._backend.forward(x, self._backend.make_cache())
+
+    def heads_forward(self, hidden: mx.array, x: mx.array):
+        """Yield (k, head k's logits) over every position it can predict: head k at p
+        reads (head k-1's output at p, or the trunk's hidden, token p+k+1)."""
+        S = x.shape[1] - 1
+        caches = self._backend.make_head_caches()
+        for k in range(self.n_heads):
+            n = S - k - 1
+            if n < 1:
+                break
+            logits, hidden = self._backend.head(k, hidden[:, :n], x[:, k + 1 : k + 1 + n], caches[k])
+            yield k, logits
+
+    def named_tensors(self, heads_only: bool = True) -> dict[str, mx.array]:
+        """The heads under the family's own key names, in the source's layout."""
+        return {k: v - self._offsets[k] if k in self._offsets else v for k, v in self._export().items()}
+
+
+def _check_head_caches(backend: Backend) -> None:
+    """A window is trained with a fresh cache per head, which KVCache allows (prefill);
+    state that a prefill cannot start from nothing would need another loss."""
+    for cache in backend.make_head_caches():
+        if type(cache) is not KVCache:
+            raise CheckpointError(f"{backend.family}: its heads keep {type(cache).__name__} state; heads-only "
+                                  f"training runs each head over a whole window with a fresh KVCache")
+
+
+def _tie_shared_parts(heads: list[nn.Module], shared_parts: tuple[str, ...]) -> None:
+    """Qwen's fc / pre-fc norms / final norm are one set of weights for every head (the
+    loader gives each head a copy): make heads 1.. use head 0's modules, and train them
+    once, through head 0's entry (heads 1.. do not list them as trainable)."""
+    names = sorted({part.split(".", 1)[0] for part in shared_parts})
+    for head in heads[1:]:
+        for name in names:
+            setattr(head, name, getattr(heads[0], name))
+        head.freeze(recurse=False, keys=names)
+
+
+def _freeze_integer_arrays(heads: list[nn.Module]) -> None:
+    """Integer arrays in a head (a hash-routing table: token -> experts) are lookups, not
+    weights: no gradient reaches them, and asking for one fails."""
+    for head in heads:
+        for _, module in head.named_modules():
+            lookups = [k for k, v in module.items() if isinstance(v, mx.array) and not mx.issubdtype(v.dtype, mx.floating)]
+            if lookups:
+                module.freeze(recurse=False, keys=lookups)
+
+
+def _exporter(backend: Backend, report: InspectReport, src: Path) -> Callable[[], dict[str, mx.array]]:
+    """What names the heads as the loader finds them: the backend itself where its heads
+    span several checkpoint layers (Nemotron-H), else the descriptor's pattern the
+    source uses."""
+    own = getattr(backend, "head_tensors", None)
+    if own is not None:
+        return own
+    config = read_config(src)
+    n_layers = _trunk_layers(config)
+    pattern = stored_head_pattern(report.descriptor, weight_keys(src), n_layers)
+    return lambda: head_tensors(report.descriptor, backend.heads, n_layers, pattern)
+
+
+def _layout_offsets(report: InspectReport, src: Path, loaded: dict[str, mx.array]) -> dict[str, float]:
+    """What the loader added to the head tensors it reads back under the same name: the +1
+    of zero-centred norms (Qwen, Step-3.5) wherever mlx-lm gave the trunk's theirs. The
+    sidecar subtracts it again: it holds the heads in the source's own layout, beside the
+    source's trunk files, so the next load shifts them exactly once."""
+    if not report.descriptor.norm_shift:
+        return {}
+    stored = weight_keys(src)
+    files: dict[Path, dict[str, mx.array]] = {}
+    offsets = {}
+    for name, value in loaded.items():
+        if value.ndim != 1 or name not in stored:
+            continue
+        source = files.setdefault(stored[name], mx.load(str(stored[name])))[name]
+        delta = value.astype(mx.float32) - source.astype(mx.float32)
+        offset = round(delta.mean().item())
+        if offset not in (0, 1) or not mx.allclose(delta, mx.array(float(offset)), atol=1e-3).item():
+            raise CheckpointError(f"{name}: the loader changed this head tensor in a way that cannot be "
+                                  "written back in the checkpoint's layout")
+        if offset:
+            offsets[name] = float(offset)
+    return offsets
 
 
 class _HFEncoder:
@@ -220,14 +433,17 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     src = Path(s.model).expanduser().resolve()
     state_dir = out / trainer.STATE_DIR
 
+    report = inspect_checkpoint(src)
+    own = distils_family_heads(report, s.replace_heads)
     if resume:
         config = saved["config"]
         dtype = _DTYPES[saved["head_dtype"]]
+    elif own:
+        config, dtype = prepare_family_output(src, out, report, s.heads)
     else:
-        config, dtype = prepare_output(src, out, s.heads, s.replace_heads)
+        config, dtype = prepare_output(src, out, s.heads or 2, s.replace_heads)
     engine_ = Engine.load(src)  # the original, float32 on CPU
-    trunk = engine_.backend.trunk
-    trunk.freeze()
+    engine_.backend.trunk.freeze()
     encoder = _encoder(src, engine_)
     has_fim = None not in (encoder.token_to_id(t) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE))
     fim_rate = s.fim_rate if s.fim_rate is not None else (0.5 if has_fim else 0.0)
@@ -247,19 +463,14 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     batches = Batches(stream, s.seq_len, s.batch, s.seed)
 
     mx.random.seed(s.seed)
-    model = MTPModel(config, trunk=trunk, n_heads=s.heads)
-    for layer, old in zip(model.mtp_layers, engine_.backend.heads):  # --replace-heads: start from them
-        layer.update(old.parameters())
-    for layer in model.mtp_layers:
-        layer.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    weights = (1.0,) * s.heads
+    model = FamilyHeads(engine_.backend, report, src) if own else _mimo_heads(config, engine_, s.heads or 2)
+    weights = (1.0,) * model.n_heads
 
-    def loss(m: MTPModel, x: mx.array):
+    def loss(m, x: mx.array):
         S = x.shape[1] - 1
-        h = mx.stop_gradient(m.trunk.model(x[:, :S]))
-        target = mx.stop_gradient(log_softmax(m.lm_head(h)))
-        return distill_loss(m, x, h, target, weights)
+        logits, h = m.trunk_forward(x[:, :S])
+        target = mx.stop_gradient(log_softmax(logits.astype(mx.float32)))
+        return distill_loss(m, x, mx.stop_gradient(h), target, weights)
 
     def write_model() -> None:
         save_safetensors(out / SIDECAR, model.named_tensors(heads_only=True), dtype)
@@ -271,12 +482,13 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     if windows is not None:
         evaluate = lambda: evaluate_heads(model, windows)  # noqa: E731
 
-    say(f"trunk: {src.name} ({config.get('mtplxd_converted_from', 'mimo')}), frozen; training {s.heads} head(s) "
-        f"by self-distillation on {len(stream):,} tokens")
+    what = (f"its own {model.n_heads} {report.family} head(s)" if own
+            else f"{model.n_heads} head(s) ({config.get('mtplxd_converted_from', 'mimo')} trunk)")
+    say(f"trunk: {src.name}, frozen; training {what} by self-distillation on {len(stream):,} tokens")
     job = trainer.Job(
         module=model,
         loss=loss,
-        part_names=[f"head{k + 1}_kl" for k in range(s.heads)],
+        part_names=[f"head{k + 1}_kl" for k in range(model.n_heads)],
         batches=batches,
         out=out,
         write_model=write_model,
@@ -290,13 +502,25 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     return trainer.run(job, loop, resume=resume, callback=callback)
 
 
-def evaluate_heads(model: MTPModel, windows: mx.array, chunk: int = 4) -> dict:
+def _mimo_heads(config: dict, engine_, n_heads: int) -> MTPModel:
+    """New MiMo-style heads on the loaded trunk (a MiMo checkpoint's own, with
+    --replace-heads: the new ones start from them)."""
+    model = MTPModel(config, trunk=engine_.backend.trunk, n_heads=n_heads)
+    for layer, old in zip(model.mtp_layers, engine_.backend.heads):
+        layer.update(old.parameters())
+    for layer in model.mtp_layers:
+        layer.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def evaluate_heads(model: MTPModel | FamilyHeads, windows: mx.array, chunk: int = 4) -> dict:
     """Per head: teacher-forced agreement with the trunk's greedy choice."""
     agree = []
     for i in range(0, windows.shape[0], chunk):
         x = windows[i : i + chunk]
-        h = model.trunk.model(x[:, :-1])
-        agree.append(head_agreement(model, x, h, model.lm_head(h).argmax(axis=-1)))
+        logits, h = model.trunk_forward(x[:, :-1])
+        agree.append(head_agreement(model, x, h, logits.argmax(axis=-1)))
     return {f"head{k + 1}_agree": float(np.mean(v)) for k, v in enumerate(zip(*agree))}
 
 

@@ -96,6 +96,15 @@ class MTPModel(nn.Module):
         n = config.get("num_nextn_predict_layers", 0) if n_heads is None else n_heads
         self.mtp_layers = [MTPLayer(args) for _ in range(n)]
 
+    @property
+    def n_heads(self) -> int:
+        return len(self.mtp_layers)
+
+    def trunk_forward(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(logits, final-normed hidden) of the trunk over x: what head 0 reads."""
+        h = self.trunk.model(x)
+        return self.lm_head(h), h
+
     def lm_head(self, h: mx.array) -> mx.array:
         trunk = self.trunk
         if getattr(trunk.args, "tie_word_embeddings", False) or not hasattr(trunk, "lm_head"):

@@ -10,7 +10,13 @@ Train a small MiMo-layout code model (trunk + MTP heads) from scratch, or, with
 --heads-only, new MTP heads for an existing MiMo / Qwen2 / Llama-style
 checkpoint that has none (its trunk frozen, heads distilled from its own
 next-token distribution; the output folder is the original files plus
-mtp.safetensors and an updated config.json).
+mtp.safetensors and an updated config.json). With --heads-only
+--replace-heads, a checkpoint of any MTP family mtplxd runs (MiMo, DeepSeek-V3,
+GLM-4.5, GLM-5, Step-3.5, MiMo-V2-Flash, Hunyuan-V3, Nemotron-H, Qwen3-Next,
+Qwen3.5) gets its own heads distilled further the same way, starting from
+their weights: the output folder is the trunk files without the old heads,
+the trained heads in mtp.safetensors under the family's own names, and
+config.json unchanged.
 
 Defaults (the shipped model's first stage): byte-level BPE vocab 4096, hidden
 192, 8 layers (FFN 480, 3 attention / 1 KV heads, tied embeddings), 2 MTP
@@ -18,7 +24,8 @@ heads: 4.7M parameters, 9.7 MB in bfloat16; seq-len 256, batch 8, 1500 steps
 (3.1M tokens), lr 3e-3 (warmup, cosine decay to 10% by the step count or
 --max-minutes, whichever ends first), 1 BLAS thread; corpus: this Python's
 standard library minus tests and a fixed held-out list. Heads-only defaults:
-2 heads, 600 steps, lr 1e-3, seq-len 256, batch 8. The shipped model's two
+2 heads (--replace-heads: the checkpoint's own count), 600 steps, lr 1e-3,
+seq-len 256, batch 8. The shipped model's two
 commands are in engine/assets/README.md.
 
 Checkpoints every --save-every steps and on Ctrl-C; --resume continues from
@@ -36,12 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads-only", action="store_true", help="train MTP heads for --model, trunk frozen")
     p.add_argument("--model", metavar="PATH", help="checkpoint to add heads to (with --heads-only)")
     p.add_argument("--replace-heads", action="store_true",
-                   help="with --heads-only on a MiMo checkpoint that has heads: distil them further, "
-                        "starting from their weights")
+                   help="with --heads-only on a checkpoint that has MTP heads (any supported family): "
+                        "distil them further, starting from their weights")
     p.add_argument("--vocab", metavar="N", type=int, help="tokenizer vocabulary (default 4096)")
     p.add_argument("--layers", metavar="N", type=int, help="trunk layers (default 8)")
     p.add_argument("--hidden", metavar="N", type=int, help="hidden size (default 192)")
-    p.add_argument("--heads", metavar="N", type=int, help="MTP heads (default 2)")
+    p.add_argument("--heads", metavar="N", type=int,
+                   help="MTP heads (default 2; --replace-heads on a family's own heads: their count)")
     p.add_argument("--steps", metavar="N", type=int, help="optimizer steps (default 1500; heads-only 600)")
     p.add_argument("--seq-len", metavar="N", type=int, help="tokens per sequence (default 256)")
     p.add_argument("--batch", metavar="N", type=int, help="sequences per step (default 8)")

@@ -21,6 +21,7 @@ FAMILIES = {
     "glm_moe_dsa": "glm_moe_dsa",
     "nemotron_h": "nemotron_h",
     "hy_v3": "hy_v3",
+    "deepseek_v4": "deepseek_v4",
 }
 
 

@@ -22,8 +22,9 @@ N_LAYERS = {"mimo": 2, "deepseek_v3": 2, "glm4_moe": 2, "qwen3_next": 4, "qwen3_
             "nemotron_h": 3,
             "qwen2": 2, "llama": 2, "mistral": 2, "frobnicator": 2}
 LAYOUTS = tuple(N_LAYERS)
-# Families whose heads are recognised but which mtplxd cannot run yet (inspect: unsupported, with why).
-UNSUPPORTED_FAMILIES = ("deepseek_v4",)
+# Families whose heads are recognised but which mtplxd cannot run yet (inspect: unsupported, with why):
+# none at present (DeepSeek-V4 was one until engine/backends/deepseek_v4.py).
+UNSUPPORTED_FAMILIES: tuple[str, ...] = ()
 MTP_FAMILIES = tuple(f for f in LAYOUTS if f not in ("qwen2", "llama", "mistral", "frobnicator", *UNSUPPORTED_FAMILIES))
 _BASE = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
          "num_key_value_heads": 1, "vocab_size": 48, "rms_norm_eps": 1e-6,
@@ -232,16 +233,31 @@ def _nemotron_h(n: int, heads: int, root: str):
 
 def _deepseek_v4(n: int, heads: int, root: str):
     # DeepSeek's own names (not model.*): embed, layers.{i}.attn / ffn, hc_* hyper-connection
-    # tensors, head; MTP layers under mtp.{i}. with separate e_proj / h_proj.
+    # tensors, head; MTP layers under mtp.{i}. with separate e_proj / h_proj. As released:
+    # window-only first layers, then compressed ones (ratio 4 with an indexer, 128 without),
+    # compress_ratios listing the MTP layers too (0), hash routing in the first layers.
+    ratios = ([0, 4, 128] * n)[:n] + [0] * heads
     config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "n_routed_experts": 2,
               "n_shared_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 8, "hc_mult": 4,
-              "q_lora_rank": 4, "head_dim": 8, "qk_rope_head_dim": 2, "o_groups": 2, "o_lora_rank": 4,
-              "index_n_heads": 2, "index_head_dim": 4, "index_topk": 4, "sliding_window": 4,
-              "compress_ratios": [0] * n, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus"}
+              "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "q_lora_rank": 4, "head_dim": 8, "qk_rope_head_dim": 2,
+              "o_groups": 2, "o_lora_rank": 4, "index_n_heads": 2, "index_head_dim": 4, "index_topk": 4,
+              "sliding_window": 4, "compress_ratios": ratios, "compress_rope_theta": 160000,
+              "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
+                               "beta_fast": 32, "beta_slow": 1},
+              "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5,
+              "swiglu_limit": 10.0}
+
+    def compressor(p: str) -> list[str]:
+        return [p + x for x in ("ape", "wkv.weight", "wgate.weight", "norm.weight")]
 
     def layer(p: str, i: int) -> list[str]:
         attn = [f"{p}attn.{x}" for x in ("wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight",
                                           "kv_norm.weight", "wo_a.weight", "wo_b.weight", "attn_sink")]
+        if ratios[i]:
+            attn += compressor(p + "attn.compressor.")
+        if ratios[i] == 4:
+            attn += [p + "attn.indexer.wq_b.weight", p + "attn.indexer.weights_proj.weight"]
+            attn += compressor(p + "attn.indexer.compressor.")
         ffn = [p + "ffn.gate.weight", p + "ffn.gate." + ("tid2eid" if i == 0 else "bias")] + [
             f"{p}ffn.experts.{e}.w{w}.weight" for e in range(2) for w in (1, 2, 3)] + [
             f"{p}ffn.shared_experts.w{w}.weight" for w in (1, 2, 3)]
