@@ -162,12 +162,14 @@ class NotReady(Exception):
 
 
 class Ticket:
-    """The adapter's handle on one job: iterate its events, or cancel it."""
+    """The adapter's handle on one job: iterate its events, cancel it, or raise its priority."""
 
-    def __init__(self, job_id: int, receive: MemoryObjectReceiveStream, cancel: Callable[[], None]):
+    def __init__(self, job_id: int, receive: MemoryObjectReceiveStream, cancel: Callable[[], None],
+                 raise_to: Callable[[Priority], None] | None = None):
         self.id = job_id
         self._receive = receive
         self._cancel = cancel
+        self._raise_to = raise_to
 
     def __aiter__(self):
         return self._receive.__aiter__()
@@ -194,6 +196,12 @@ class Ticket:
     def cancel(self) -> None:
         self._cancel()
         self._receive.close()
+
+    def raise_priority(self, priority: Priority) -> None:
+        """From the next pick on, the job runs in `priority`'s class (if that is higher):
+        work done ahead at background priority (an editor's prefetch) that a user now waits for."""
+        if self._raise_to is not None:
+            self._raise_to(priority)
 
 
 @dataclass

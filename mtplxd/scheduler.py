@@ -88,6 +88,10 @@ class _Entry:
     submitted: float = field(default_factory=time.perf_counter)
     job: Job | None = None
     cancelled: bool = False
+    priority: Priority = Priority.NORMAL  # its class: the request's, unless raised since
+
+    def __post_init__(self) -> None:
+        self.priority = self.request.priority
 
 
 class Scheduler:
@@ -137,7 +141,7 @@ class Scheduler:
             entry = _Entry(next(self._ids), request, send)
             self._queues[request.priority].append(entry)
             self._cond.notify()
-        return Ticket(entry.id, receive, lambda: self._cancel(entry))
+        return Ticket(entry.id, receive, lambda: self._cancel(entry), lambda p: self._raise(entry, p))
 
     def failure_message(self) -> str:
         if self.ranks is not None and self.ranks.failure is not None:
@@ -178,6 +182,18 @@ class Scheduler:
     def _cancel(self, entry: _Entry) -> None:
         with self._cond:
             entry.cancelled = True
+            self._cond.notify()
+
+    def _raise(self, entry: _Entry, priority: Priority) -> None:
+        """Move a queued or running entry to a higher class; an interactive one leaves the
+        batch before the next step (the worker does that: `_serve_once`)."""
+        with self._cond:
+            queue = self._queues[entry.priority]
+            if priority >= entry.priority or entry not in queue:
+                return
+            queue.remove(entry)
+            self._queues[priority].append(entry)
+            entry.priority = priority
             self._cond.notify()
 
     # -- worker thread -----------------------------------------------------------
@@ -259,8 +275,10 @@ class Scheduler:
     def _serve_once(self, closing: list[_Entry], entry: _Entry | None) -> None:
         for closed in closing:  # outside the lock: closing offers a snapshot to the bank
             self._close(closed)
+        for raised in [e for e in self._batched if e.priority == Priority.INTERACTIVE]:
+            self._unbatch(raised)  # raised to interactive: it decodes alone, first, from the next pick
         # Interactive work never waits behind the batch (normal and background rows).
-        if self._batched and (entry is None or entry.request.priority != Priority.INTERACTIVE):
+        if self._batched and (entry is None or entry.priority != Priority.INTERACTIVE):
             self._step_batches()
         if entry is not None:
             self._advance(entry)
@@ -315,7 +333,7 @@ class Scheduler:
             return
         with self._cond:
             ready = [e for q in self._queues.values() for e in q if e not in self._batched and not e.cancelled
-                     and e.request.priority != Priority.INTERACTIVE and _decoding(e)]
+                     and e.priority != Priority.INTERACTIVE and _decoding(e)]
         rows = len(self._batched) + len(ready)
         if rows >= 2:
             for entry in ready[: max(0, self.limits.batch_rows - len(self._batched))]:

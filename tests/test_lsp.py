@@ -15,6 +15,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import pytest
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException
@@ -23,7 +24,7 @@ from pygls.lsp.client import LanguageClient
 from adapters.lsp.documents import ContextDocument, Options, PromptBuilder, snapshot, workspace_of
 from adapters.lsp.completions import snippet_text
 from adapters.lsp.postprocess import (
-    Cursor, TypeAheadCache, automatic_allowed, detect_indent_unit, finalize, suffix_start, trim,
+    Cursor, TypeAheadCache, automatic_allowed, detect_indent_unit, finalize, line_break_at_rest, suffix_start, trim,
 )
 from mtplxd import client as daemon_client
 from tests.checkpoints import write
@@ -277,6 +278,55 @@ async def test_the_length_fits_the_place(lsp_env, folders):
         assert (await status(client))["lastPlace"] == {"mode": "block", "maxTokens": 40}
 
 
+@pytest.mark.anyio
+async def test_a_block_is_shown_at_a_closed_line_break_once_the_budget_is_spent(lsp_env, folders):
+    """With the time budget spent at once, a block ends at its first line break where its
+    brackets balance; given all the time it wants, the same greedy block goes on from there."""
+    shown = {}
+    for budget in (0, 60000):
+        options = {"mtplxd": {"timeBudgetMs": budget, "maxTokens": 40, "prefetch": False}}
+        async with lsp(lsp_env, folders["a"], options=options) as (client, _):
+            uri = open_doc(client, folders["a"] / "early.py", "def f(a, b):\n    \n")
+            shown[budget] = "".join(await texts(client, uri, 1, 4))
+    early, whole = shown[0], shown[60000]
+    assert early.strip(), shown  # a suggestion came
+    assert whole.startswith(early), (early, whole)
+    assert line_break_at_rest(early, 1) is None  # no closed line break left inside it
+    cut = line_break_at_rest(whole, 1)
+    assert len(early) == (len(whole) if cut is None else cut), (early, whole)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("budget_ms, shown", [(0, "a = f(1,\n      2)"), (60000, "a = f(1,\n      2)\n    b = 3")])
+async def test_a_spent_budget_ends_the_streamed_block_at_a_closed_line_break(budget_ms, shown):
+    """`generate` on a scripted stream (the daemon test above runs the real engine, whose
+    tiny model writes no line breaks): spent at once, the block ends after the call's
+    closing line, not inside it; with time left, the blank line ends it."""
+    from adapters.lsp.completions import ConnectionStats, generate
+    from mtplxd.requests import Ticket, TextDelta
+
+    send, receive = anyio.create_memory_object_stream(100)
+    for piece in ("a = f(1,", "\n", "      2)", "\n", "    b = 3", "\n\n", "c"):
+        send.send_nowait(TextDelta(piece, (1,)))
+    send.close()
+
+    class Runtime:
+        def submit(self, request):
+            return Ticket(1, receive, lambda: None)
+
+    block = Cursor("    ", "", prev_line="def g():")
+    done = await generate(Runtime(), None, block, budget_ms, ConnectionStats())  # type: ignore[arg-type]
+    assert done.text == shown
+
+
+def test_where_a_block_may_end_early():
+    assert line_break_at_rest("a = 1\nb = 2\n", 1) == 5
+    assert line_break_at_rest("a = f(1,\n      2)\nb", 1) == 17  # not inside the call
+    assert line_break_at_rest("a = f(1,\n", 1) is None
+    assert line_break_at_rest("x)\ny", 0) == 2  # a bracket opened before the cursor does not count
+    assert line_break_at_rest("a\nb\nc", 2) == 3  # at or after `start`
+
+
 def _end_of(line: int, character: int, inserted: str) -> tuple[int, int]:
     """The position after `inserted` typed at (line, character) (ASCII text)."""
     rows = inserted.split("\n")
@@ -284,9 +334,9 @@ def _end_of(line: int, character: int, inserted: str) -> tuple[int, int]:
 
 
 @pytest.mark.anyio
-async def test_an_accept_before_its_prefetch_started_does_not_wait_for_it(lsp_env, folders):
-    """Behind a normal-priority stream a background prefetch stays queued; the accept asks at
-    interactive priority at once rather than wait behind the stream."""
+async def test_an_accept_raises_its_waiting_prefetch_to_interactive(lsp_env, folders):
+    """Behind a normal-priority stream a background prefetch stays queued (a lone stream is
+    always picked first); the accept raises it to interactive priority, and it answers."""
     from mtplxd.bench.serve import busy_streams
 
     async with lsp(lsp_env, folders["a"]) as (client, _):
@@ -295,11 +345,13 @@ async def test_an_accept_before_its_prefetch_started_does_not_wait_for_it(lsp_en
         assert base_url is not None
         with busy_streams(base_url, 1):
             [shown] = await texts(client, uri, 1, 4)
+            jobs = (await status(client))["connection"]["jobs_started"]
             edit(client, uri, 2, 1, 4, shown)  # accepted at once
-            await texts(client, uri, *_end_of(1, 4, shown), AUTOMATIC)
+            await asyncio.wait_for(texts(client, uri, *_end_of(1, 4, shown), AUTOMATIC), 60)
             report = await status(client)
-        assert report["connection"]["prefetch_late"] == 1 and report["connection"]["prefetch_hits"] == 0
-        assert report["connection"]["answered"] == 2
+        connection = report["connection"]
+        assert connection["prefetch_raised"] == 1 and connection["prefetch_hits"] == 1, connection
+        assert connection["answered"] == 2 and connection["jobs_started"] == jobs  # no job of its own
 
 
 @pytest.mark.anyio
@@ -512,6 +564,34 @@ def test_typing_rhythm():
     assert burst.wait_ms(120) == 20
     assert TypingRhythm().wait_ms(120) == 120  # nothing seen yet: the setting
     assert fast.wait_ms(0) == 0  # the setting stays the ceiling
+
+
+def test_typing_rhythm_learns_line_ends():
+    """A user who stops after Enter to read gets no wait there; one who types straight on
+    keeps the learned wait; mid-line keystrokes keep it either way."""
+    from adapters.lsp.postprocess import MIN_LINE_ENDS, TypingRhythm
+
+    def typist(pause_after_enter: float) -> TypingRhythm:
+        rhythm, now = TypingRhythm(), 0.0
+        for line in range(MIN_LINE_ENDS + 2):
+            for _ in range(10):
+                now += 0.06
+                rhythm.edit(now)
+            now += 0.06
+            rhythm.edit(now, line_end=True)
+            if line < MIN_LINE_ENDS + 1:
+                now += pause_after_enter
+        return rhythm
+
+    reader, racer = typist(1.5), typist(0.0)
+    assert reader.wait_ms(120) == 0 and racer.wait_ms(120) == 60
+    reader.edit(100.0)
+    reader.edit(100.06)  # typing again, mid-line
+    assert reader.wait_ms(120) == 60
+    few = TypingRhythm()
+    for i in range(10):
+        few.edit(i * 0.06, line_end=i == 9)
+    assert few.wait_ms(120) == 60  # no line end seen followed by anything yet: the typing wait
 
 
 def test_options():

@@ -314,6 +314,33 @@ async def test_interactive_request_waits_for_at_most_one_batched_step(engine_):
         scheduler.stop()
 
 
+async def test_a_raised_background_row_leaves_the_batch_and_runs_first(engine_):
+    """An editor's prefetch, accepted while it decodes in the batch behind normal streams:
+    raised to interactive, it decodes alone, every step its own, and keeps its tokens; the
+    negative control (not raised) stays in the batch, one token per batched step."""
+    for raise_it in (True, False):
+        scheduler = Scheduler(lambda: engine_)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(scheduler.run)
+            for i in range(4):
+                tg.start_soon(collect, scheduler.submit(request(400, mode="ar", ignore_eos=True)), [], f"n{i}")
+            prefetch = scheduler.submit(request(40, Priority.BACKGROUND, mode="ar", ignore_eos=True))
+            before, after = [], []
+            async for event in prefetch:
+                if not isinstance(event, TextDelta):
+                    break
+                (after if after or len(before) >= 5 else before).append(event)
+                if len(before) == 5 and not after and raise_it:
+                    prefetch.raise_priority(Priority.INTERACTIVE)
+                    prefetch.raise_priority(Priority.BACKGROUND)  # lowering is not raising: ignored
+            assert all(e.batch > 1 for e in before[1:])  # it was a row of the batch (after its prefill)
+            tokens = sum(len(e.token_ids) for e in before + after)
+            assert tokens == 40  # nothing lost in the move
+            late = [e.batch for e in after[3:]]  # a step or two to leave the batch
+            assert all(b == 1 for b in late) if raise_it else all(b > 1 for b in late)
+            scheduler.stop()
+
+
 async def test_the_measured_batch_size_picks_batched_mtp_or_plain_ar(engine_):
     from engine.profiles import Calibration
 

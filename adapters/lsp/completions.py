@@ -3,7 +3,8 @@
 `generate` submits an interactive-class job and reads its events, applying the
 stop rules of adapters/lsp/postprocess.py to the text as it streams (so the job
 ends as soon as one fires) and a time budget that, once spent, ends a multi-line
-completion at the next line break. The ticket is cancelled on every way out, so
+completion at the next line break where its brackets balance (what follows is the
+next suggestion, prefetched once this one is shown). The ticket is cancelled on every way out, so
 an abandoned request never keeps the engine busy.
 """
 
@@ -17,8 +18,8 @@ import anyio
 from pygls.exceptions import JsonRpcException
 
 from adapters.lsp.documents import Options, PromptBuilder
-from adapters.lsp.postprocess import Cursor, trim
-from mtplxd.requests import Done, Failed, TextDelta, TextRequest, Usage
+from adapters.lsp.postprocess import Cursor, line_break_at_rest, trim
+from mtplxd.requests import Done, Failed, Priority, TextDelta, TextRequest, Ticket, Usage
 from mtplxd.runtime import ModelInfo, Runtime
 from mtplxd.requests import NotReady, QueueFull
 
@@ -41,7 +42,7 @@ class ConnectionStats:
     cache_hits: int = 0  # ... answered by type-ahead
     prefetch_started: int = 0  # suggestions computed ahead, for when the one shown is accepted
     prefetch_hits: int = 0  # ... answered from one
-    prefetch_late: int = 0  # ... accepted before their prefetch wrote a token (it was dropped, the request asked)
+    prefetch_raised: int = 0  # ... accepted before their prefetch ended (raised to interactive priority, awaited)
     shown_chars: int = 0  # characters of the suggestions answered by the engine or a prefetch (not type-ahead)
     jobs_started: int = 0  # scheduler jobs submitted
     jobs_cancelled: int = 0  # ... cancelled before their end
@@ -49,6 +50,25 @@ class ConnectionStats:
     tokens_generated: int = 0  # by those jobs, cancelled ones included
     prompt_tokens: int = 0  # prompt tokens of the jobs that ended
     cached_tokens: int = 0  # ... of them restored from the session bank, not prefilled
+
+
+class Watch:
+    """A job run ahead (a prefetch), with a way to raise its priority once someone waits for it."""
+
+    def __init__(self) -> None:
+        self.urgent = False
+        self._ticket: Ticket | None = None
+
+    def attach(self, ticket: Ticket) -> None:
+        self._ticket = ticket
+        if self.urgent:
+            ticket.raise_priority(Priority.INTERACTIVE)
+
+    def hurry(self) -> None:
+        """A user waits for it now: interactive priority (before its job exists: from its submission)."""
+        self.urgent = True
+        if self._ticket is not None:
+            self._ticket.raise_priority(Priority.INTERACTIVE)
 
 
 @dataclass(frozen=True)
@@ -59,14 +79,15 @@ class Generated:
 
 
 async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budget_ms: int,
-                   stats: ConnectionStats, started: asyncio.Event | None = None) -> Generated:
-    """Run one job to its end or to the first stop rule; the ticket is released on every path.
-    `started` is set once the job's first token arrives (it left the queue and its prefill)."""
+                   stats: ConnectionStats, watch: Watch | None = None) -> Generated:
+    """Run one job to its end or to the first stop rule; the ticket is released on every path."""
     try:
         ticket = runtime.submit(request)
     except (QueueFull, NotReady) as e:
         raise RequestFailed(str(e)) from None
     stats.jobs_started += 1
+    if watch is not None:
+        watch.attach(ticket)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget_ms / 1000
     spent_at: int | None = None  # length of the text when the time budget ran out
@@ -80,13 +101,11 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
                 break
             if isinstance(event, TextDelta):
                 stats.tokens_generated += len(event.token_ids)
-                if started is not None:
-                    started.set()
                 text, ended = trim(text + event.text, cursor)
                 if not ended and not cursor.mid_line and loop.time() > deadline:
                     spent_at = len(text) if spent_at is None else spent_at
-                    cut = text.find("\n", spent_at)
-                    if cut >= 0:
+                    cut = line_break_at_rest(text, max(1, spent_at))
+                    if cut is not None:
                         text, ended = text[:cut], True
             elif isinstance(event, Done):
                 ended, capped, usage = True, event.finish_reason == "length", event.usage

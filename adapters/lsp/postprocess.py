@@ -157,6 +157,15 @@ def balanced(text: str, mid_line: bool) -> str:
     return text[:keep]
 
 
+def line_break_at_rest(text: str, start: int) -> int | None:
+    """The first line break at or after `start` where every bracket the completion opened
+    is closed: where a multi-line completion may end early without leaving one open."""
+    cut = text.find("\n", start)
+    while cut >= 0 and _depth(text[:cut]) > 0:
+        cut = text.find("\n", cut + 1)
+    return cut if cut >= 0 else None
+
+
 def _step(depth: int, c: str) -> int:
     if c in OPENERS:
         return depth + 1
@@ -323,6 +332,8 @@ BURST_GAP_S = 1.0  # a longer gap between two edits is a pause, not the typing p
 MIN_GAPS = 8  # gaps seen before the learned wait replaces the setting's
 GAP_QUANTILE = 0.75  # wait as long as three keystrokes in four take to follow the last
 MIN_WAIT_MS = 20  # edits faster than typing (a paste, key repeat, a script) still wait this long
+LINE_END_WINDOW = 16  # line ends remembered: did the user pause after them?
+MIN_LINE_ENDS = 4  # line ends seen before they may skip the wait (at least half of them paused)
 
 
 class TypingRhythm:
@@ -331,20 +342,39 @@ class TypingRhythm:
     An automatic request waits for the next keystroke before it asks the engine (a
     keystroke would cancel the work). Waiting the time most of this user's keystrokes
     take to follow the one before serves a fast typist sooner, and never waits longer
-    than the `debounceMs` setting."""
+    than the `debounceMs` setting. Line ends are learned apart: a user who mostly
+    stops after Enter to see what comes (the next edit came more than twice the wait later)
+    gets no wait there at all; one who types straight on keeps it."""
 
     def __init__(self, window: int = 64) -> None:
         self.gaps: deque[float] = deque(maxlen=window)
+        self.after_line_end: deque[bool] = deque(maxlen=LINE_END_WINDOW)  # paused after Enter?
         self.last: float | None = None
+        self.last_was_line_end = False
 
-    def edit(self, now: float) -> None:
-        if self.last is not None and now - self.last < BURST_GAP_S:
-            self.gaps.append(now - self.last)
-        self.last = now
+    def edit(self, now: float, line_end: bool = False) -> None:
+        """An edit at `now`; `line_end`: it began a new line (Enter)."""
+        if self.last is not None:
+            gap = now - self.last
+            if self.last_was_line_end:
+                self.after_line_end.append(gap * 1000 > 2 * self._typing_wait_ms())  # clearly a pause
+            if gap < BURST_GAP_S:
+                self.gaps.append(gap)
+        self.last, self.last_was_line_end = now, line_end
 
     def wait_ms(self, ceiling_ms: int) -> int:
+        """How long a request made now waits for the next keystroke."""
+        if self.last_was_line_end and self.pauses_at_line_ends():
+            return 0
+        return min(ceiling_ms, self._typing_wait_ms(ceiling_ms))
+
+    def pauses_at_line_ends(self) -> bool:
+        seen = self.after_line_end
+        return len(seen) >= MIN_LINE_ENDS and 2 * sum(seen) >= len(seen)
+
+    def _typing_wait_ms(self, unknown_ms: int = round(BURST_GAP_S * 1000)) -> int:
         if len(self.gaps) < MIN_GAPS:
-            return ceiling_ms
+            return unknown_ms
         ordered = sorted(self.gaps)
         quantile = ordered[min(len(ordered) - 1, int(GAP_QUANTILE * len(ordered)))]
-        return min(ceiling_ms, max(MIN_WAIT_MS, round(quantile * 1000)))
+        return max(MIN_WAIT_MS, round(quantile * 1000))

@@ -22,11 +22,12 @@ adapters/lsp/postprocess.py, the scheduler job in adapters/lsp/completions.py.
 - Automatic requests first wait for the next keystroke (a superseding keystroke
   cancels them there, before any engine work): as long as most of this user's
   keystrokes take to follow the one before (postprocess.TypingRhythm), at most
-  `debounceMs`; not at all when the client says it waits itself (`clientDebounces`)
-  or for explicitly invoked ones.
+  `debounceMs`; not at all after Enter for a user who mostly pauses there, when the
+  client says it waits itself (`clientDebounces`), or for explicitly invoked ones.
 - The last suggestion per document answers a request whose typed text is its start
   (type-ahead, a partial accept), without the engine; the suggestion after it is
-  prefetched at background priority and answers the request once it is accepted whole.
+  prefetched at background priority and answers the request once it is accepted whole
+  (raised to interactive priority if it is still running then).
 - Cross-file context: chunks of the other open documents of the workspace, from a ring
   of the recently touched ones (adapters/lsp/context.py), before the current file.
 - Settings: initializationOptions and workspace/didChangeConfiguration (see
@@ -53,7 +54,7 @@ from pygls.protocol.language_server import lsp_method
 from adapters.lsp.context import Chunk, ChunkRing, OpenDocument, as_documents
 from adapters.lsp.documents import Options, accepted, snapshot, workspace_of
 from adapters.lsp.completions import (
-    ConnectionStats, RequestFailed, fit_options, generate, prompt_builder, ready_model, snippet_text,
+    ConnectionStats, RequestFailed, Watch, fit_options, generate, prompt_builder, ready_model, snippet_text,
 )
 from adapters.lsp.postprocess import TypeAheadCache, TypingRhythm, automatic_allowed, finalize, stop_strings
 from engine.sampler_settings import SamplerSettings
@@ -72,7 +73,7 @@ class _Prefetch:
     prefix: str  # the document around the cursor it was computed for: the text before ...
     suffix: str  # ... and after
     task: asyncio.Future
-    started: asyncio.Event  # its first token arrived: it is generating, not waiting behind other work
+    watch: Watch  # its job: raised to interactive priority when the user accepts before it ends
 
 
 @dataclass(eq=False)
@@ -196,7 +197,9 @@ class CompletionServer(LanguageServer):
         self.ring.touch(unquote(params.text_document.uri), 0)  # what an editor shows first
 
     def _did_change(self, params: types.DidChangeTextDocumentParams) -> None:
-        self.rhythm.edit(time.monotonic())
+        changes = params.content_changes
+        enter = len(changes) == 1 and changes[0].text[:1] in ("\n", "\r") and not changes[0].text.strip()
+        self.rhythm.edit(time.monotonic(), line_end=enter)  # Enter (and the editor's auto-indent)
         key = unquote(params.text_document.uri)
         for change in params.content_changes:
             if isinstance(change, types.TextDocumentContentChangePartial):
@@ -310,7 +313,7 @@ class CompletionServer(LanguageServer):
             self._prefetch(key, snap, text)
         return text
 
-    async def _complete(self, key: str, snap: Any, priority: Priority, started: asyncio.Event | None = None) -> str:
+    async def _complete(self, key: str, snap: Any, priority: Priority, watch: Watch | None = None) -> str:
         """One suggestion from the engine."""
         model = await ready_model(self.runtime)
         builder = prompt_builder(model)
@@ -334,7 +337,7 @@ class CompletionServer(LanguageServer):
             workspace=workspace,
         )
         jobs = self.stats if priority == Priority.INTERACTIVE else self.prefetch_jobs
-        done = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, jobs, started)
+        done = await generate(self.runtime, request, snap.cursor, options.time_budget_ms, jobs, watch)
         if priority == Priority.INTERACTIVE:
             usage = done.usage
             self.last_prompt = {
@@ -353,10 +356,10 @@ class CompletionServer(LanguageServer):
         bank already holds the prompt up to the suggestion's start."""
         self._drop_prefetch(key)
         target = accepted(snap, text)
-        started = asyncio.Event()
-        task = asyncio.ensure_future(self._complete(key, target, Priority.BACKGROUND, started))
+        watch = Watch()
+        task = asyncio.ensure_future(self._complete(key, target, Priority.BACKGROUND, watch))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed prefetch is a miss, not a log
-        self.prefetches[key] = _Prefetch(target.prefix, target.suffix, task, started)
+        self.prefetches[key] = _Prefetch(target.prefix, target.suffix, task, watch)
         self.stats.prefetch_started += 1
 
     async def _prefetched(self, key: str, snap: Any) -> str | None:
@@ -368,12 +371,12 @@ class CompletionServer(LanguageServer):
         if (prefetch.prefix, prefetch.suffix) != (snap.prefix, snap.suffix):
             prefetch.task.cancel()  # the document went elsewhere
             return None
-        if not prefetch.task.done() and not prefetch.started.is_set():
-            # Still queued behind other work at background priority (it could wait there as
-            # long as the daemon is busy): the user is waiting now, so ask at interactive priority.
-            prefetch.task.cancel()
-            self.stats.prefetch_late += 1
-            return None
+        if not prefetch.task.done():
+            # At background priority it may wait behind other work as long as the daemon is
+            # busy: the user waits for it now, so it goes on at interactive priority, keeping
+            # what it has done.
+            prefetch.watch.hurry()
+            self.stats.prefetch_raised += 1
         try:
             return await asyncio.shield(prefetch.task)
         except asyncio.CancelledError:

@@ -12,14 +12,14 @@ does: each keystroke is a didChange plus an automatic inlineCompletion request. 
 other typed modules are open in the same workspace, each visited at its own function
 (an empty edit there: what the user looked at), for cross-file context. Enter inserts
 the next line's indentation (as editors auto-indent) and is followed by a pause of
-`--pause-ms`: the user waits for the suggestion, reads it for `--read-ms`, accepts it
+`--pause-ms`: the user waits for the suggestion, reads it for `--read-ms` from its arrival, accepts it
 whole, sees the suggestion after it, then undoes the accept and types on.
 
 Two sides, each its own connection and workspace (so its own session-bank namespace),
 alternating which goes first from one function to the next:
 - before: the behaviour before issue 25 through initializationOptions: no prefetch,
   the fixed `debounceMs` (120), one length (`maxTokens` 64) everywhere, no cross-file
-  context (`workspaceContextTokens` 0);
+  context (`workspaceContextTokens` 0), a block shown whole (`timeBudgetMs` 500);
 - after: the defaults.
 
 Reported per side: pause-to-suggestion p50/p95 (the request sent with Enter -> items;
@@ -59,7 +59,7 @@ from mtplxd.config import load_settings
 
 FUNCTIONS = "colorsys.rgb_to_hls,shlex.split,statistics.median,fnmatch.filter"
 BEFORE = {"prefetch": False, "adaptiveDebounce": False, "lineMaxTokens": 64, "maxTokens": 64,
-          "workspaceContextTokens": 0}
+          "workspaceContextTokens": 0, "timeBudgetMs": 500}
 SIDES = {"before": BEFORE, "after": {}}
 
 
@@ -223,7 +223,7 @@ async def type_function(lsp: LanguageClient, side: Side, target: Trace, others: 
             (side.cold_ms if cold else side.pause_ms).append(ms)
             cold = False
             side.lengths.append(len(text))
-            await accept(editor, side, line, column, text, sent, args)
+            await accept(editor, side, line, column, text, sent + ms / 1000, args)
         next_at = sent + (args.key_ms + args.pause_ms) / 1000
     for outcome, _, _ in await asyncio.gather(*pending):
         if outcome in ("cancelled", "errors"):
