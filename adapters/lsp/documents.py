@@ -45,7 +45,7 @@ class Options:
     prefetch: bool = True  # compute the suggestion after the one shown, for when it is accepted
     context_tokens: int = 1024  # prefix + suffix of the current document
     workspace_context_tokens: int = 512  # chunks of other open documents of the same workspace
-    time_budget_ms: int = 100  # once spent, a multi-line completion ends at the next line break (brackets closed)
+    time_budget_ms: int = 70  # once spent, a multi-line completion ends at the next line break (brackets closed)
     temperature: float = 0.0  # 0: greedy (repeatable, which the type-ahead cache likes)
     provider: str = "auto"  # auto | inline | completion | both (read at initialize)
 

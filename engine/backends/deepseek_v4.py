@@ -78,9 +78,10 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from engine.backends.base import Backend, Tape, build_trunk, materialize, split_numbered
+from engine.backends.base import Backend, Tape, build_trunk, split_numbered
 from engine.backends.descriptors import deepseek_v4_unsupported
 from engine.backends.glm_moe_dsa import select_top
+from engine.backends.nextn import load_heads
 from engine.checkpoint import CheckpointError
 
 HEAD_PREFIX = "mtp."
@@ -612,20 +613,7 @@ class DeepseekV4Backend(Backend):
         return self.trunk.logits(x[:, -1:] if last else x, head), _flat(x)
 
 
-def prepare_head_weights(trunk: nn.Module, layer_weights: dict) -> dict:
-    own = {k: v for k, v in layer_weights.items() if not k.startswith(SHARED_WITH_TRUNK)}
-    sanitized = trunk.sanitize({SLOT + k: v for k, v in own.items()})
-    return {k[len(SLOT):]: v for k, v in sanitized.items()}
-
-
 def load(folder: Path, config: dict, weights: dict) -> DeepseekV4Backend:
     trunk_weights, head_weights = split_numbered(weights, HEAD_PREFIX)
     trunk = build_trunk(Model, ModelArgs, config, trunk_weights)
-    n = trunk.args.num_hidden_layers
-    heads: list[nn.Module] = []
-    for i, layer_weights in enumerate(head_weights):
-        head = MTPHead(trunk.args, n + i)
-        head.load_weights(list(prepare_head_weights(trunk, layer_weights).items()), strict=True)
-        materialize(head)
-        heads.append(head)
-    return DeepseekV4Backend(trunk, heads)
+    return DeepseekV4Backend(trunk, load_heads(trunk, MTPHead, head_weights, SLOT, SHARED_WITH_TRUNK))

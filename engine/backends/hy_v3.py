@@ -47,8 +47,8 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask, scaled_dot_
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from engine.backends.base import Backend, Tape, build_trunk, materialize
-from engine.backends.nextn import split_weights
+from engine.backends.base import Backend, Tape, build_trunk
+from engine.backends.nextn import load_heads, split_weights
 from engine.checkpoint import CheckpointError
 
 HEAD_INPUT = "normed"  # or "raw": see the module docstring
@@ -302,20 +302,7 @@ class HYV3Backend(Backend):
         return self.trunk.logits(head.final_layernorm(x[:, -1:] if last else x)), x
 
 
-def prepare_head_weights(trunk: nn.Module, layer_weights: dict) -> dict:
-    own = {k: v for k, v in layer_weights.items() if not k.startswith(SHARED_WITH_TRUNK)}
-    sanitized = trunk.sanitize({SLOT + k: v for k, v in own.items()})
-    return {k[len(SLOT):]: v for k, v in sanitized.items()}
-
-
 def load(folder: Path, config: dict, weights: dict) -> HYV3Backend:
     trunk_weights, head_weights = split_weights(config, weights)
     trunk = build_trunk(Model, ModelArgs, config, trunk_weights)
-    n = trunk.args.num_hidden_layers
-    heads: list[nn.Module] = []
-    for i, layer_weights in enumerate(head_weights):
-        head = MTPLayer(trunk.args, n + i)
-        head.load_weights(list(prepare_head_weights(trunk, layer_weights).items()), strict=True)
-        materialize(head)
-        heads.append(head)
-    return HYV3Backend(trunk, heads)
+    return HYV3Backend(trunk, load_heads(trunk, MTPLayer, head_weights, shared=SHARED_WITH_TRUNK))

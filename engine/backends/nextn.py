@@ -64,7 +64,8 @@ def split_weights(config: dict, weights: dict) -> tuple[dict, list[dict]]:
     return trunk, heads
 
 
-def prepare_head_weights(trunk: nn.Module, layer_weights: dict) -> dict:
+def prepare_head_weights(trunk: nn.Module, layer_weights: dict, slot: str = SLOT,
+                         shared: tuple[str, ...] = SHARED_WITH_TRUNK) -> dict:
     """Drop the shared copies and sanitize the rest as the trunk would a layer.
 
     Presenting the layer as trunk layer 0 (in a dict of its own) makes the
@@ -72,19 +73,22 @@ def prepare_head_weights(trunk: nn.Module, layer_weights: dict) -> dict:
     DeepSeek, dequantise fp8 blocks and split `kv_b_proj` into the MLA's
     `embed_q` / `unembed_out`: the same transforms, never a second copy of them.
     """
-    own = {k: v for k, v in layer_weights.items() if not k.startswith(SHARED_WITH_TRUNK)}
-    sanitized = trunk.sanitize({SLOT + k: v for k, v in own.items()})
-    return {k[len(SLOT):]: v for k, v in sanitized.items()}
+    own = {k: v for k, v in layer_weights.items() if not k.startswith(shared)}
+    sanitized = trunk.sanitize({slot + k: v for k, v in own.items()})
+    return {k[len(slot):]: v for k, v in sanitized.items()}
 
 
-def load_heads(trunk: nn.Module, head_class: type, heads: list[dict]) -> list[nn.Module]:
+def load_heads(trunk: nn.Module, head_class: type, heads: list[dict], slot: str = SLOT,
+               shared: tuple[str, ...] = SHARED_WITH_TRUNK) -> list[nn.Module]:
     """Build head i as layer num_hidden_layers + i, so the trunk's dense/MoE rule
-    decides its MLP, and load it strictly."""
+    decides its MLP, and load it strictly. `slot` and `shared`: the trunk's name for
+    its layer 0 and the prefixes of the trunk tensors a head may carry copies of, for
+    families that name them otherwise (Hy-V3, DeepSeek-V4)."""
     n = trunk.args.num_hidden_layers
     built = []
     for i, layer_weights in enumerate(heads):
         head = head_class(trunk.args, n + i)
-        head.load_weights(list(prepare_head_weights(trunk, layer_weights).items()), strict=True)
+        head.load_weights(list(prepare_head_weights(trunk, layer_weights, slot, shared).items()), strict=True)
         materialize(head)
         built.append(head)
     return built
