@@ -10,9 +10,9 @@ SHIM_STAMP := $(VENV)/.shim-built
 LOCK   := requirements.lock
 UV_VERSION := 0.13.9
 
-.PHONY: install lock start test check test-slow test-kernels test-reliability doctor clean
+.PHONY: install lock start test check test-slow test-real test-kernels test-reliability doctor clean real-model
 
-install: $(STAMP) $(SHIM_STAMP)
+install: $(STAMP) $(SHIM_STAMP) real-model
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ lock:
 	$(BIN)/uv pip compile pyproject.toml scripts/installer-tools.in --extra test --universal \
 	    --python-version 3.11 --generate-hashes --quiet $(LOCK_FLAGS) -o $(LOCK)
 
+# The real default model, SmolLM2-135M-Instruct from its GGUF file, with the MTP heads
+# mtplxd ships for it, imported into the models folder (scripts/real_model.sh); offline,
+# a message, and the embedded toy model stays the default.
+real-model: $(STAMP) $(SHIM_STAMP)
+	sh scripts/real_model.sh $(BIN)
+
 start: install
 	$(BIN)/mtplxd start
 
@@ -47,6 +53,11 @@ check: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The tests on the real model (SmolLM2-135M-Instruct, `make real-model`): import equality,
+# tokenizer, answers; CI runs them after `make test`.
+test-real: install
+	$(BIN)/python -m pytest -q -m real_model
 
 # The reliability suite at full size (docs/reliability.md): a 90-second soak.
 test-reliability: install

@@ -167,9 +167,9 @@ def _start_detached(args: argparse.Namespace, settings) -> int:
         print(f"mtplxd: {message}", file=sys.stderr)
         return code
     print(message)
-    hint = settings.missing_model_hint()
-    if hint:
-        print(f"mtplxd: warning: {hint}", file=sys.stderr)
+    for hint in (settings.missing_model_hint(), settings.default_model_note()):
+        if hint:
+            print(f"mtplxd: warning: {hint}", file=sys.stderr)
     return 0
 
 

@@ -53,6 +53,12 @@ def resolve_state_dir(flag: str | Path | None = None, environ: Mapping[str, str]
     return Path(chosen).expanduser().absolute() if chosen else default_state_dir(env)
 
 
+# The real default model: `make real-model` imports it into the models folder
+# (SmolLM2-135M-Instruct from its GGUF file, with the MTP heads mtplxd ships for it).
+# Without it the embedded toy model serves, and the daemon says so.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
 def embedded_model_dir() -> Path:
     """engine/assets/, found without importing `engine` (that sets up BLAS and MLX)."""
     spec = importlib.util.find_spec("engine")
@@ -174,11 +180,22 @@ class Settings:
 
     @property
     def model_path(self) -> Path:
-        return self.model if self.model is not None else embedded_model_dir()
+        if self.model is not None:
+            return self.model
+        real = self.state_dir / "models" / DEFAULT_MODEL
+        return real if (real / "config.json").is_file() else embedded_model_dir()
 
     @property
     def uses_embedded_model(self) -> bool:
-        return self.model is None
+        return self.model is None and self.model_path == embedded_model_dir()
+
+    def default_model_note(self) -> str | None:
+        """Why the toy serves, when no model was named and the real default is missing."""
+        if not self.uses_embedded_model:
+            return None
+        return (f"the default model {DEFAULT_MODEL} is not in {self.state_dir / 'models'}: serving the embedded "
+                "toy model, whose answers are noise (get the real one with `make real-model`, or "
+                "mtplxd pull FILE.gguf)")
 
     def missing_model_hint(self) -> str | None:
         """What to tell a user whose default (embedded) model is not there."""

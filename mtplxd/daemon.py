@@ -131,6 +131,10 @@ class Daemon:
                                    bank=open_bank(settings),  # <state_dir>/sessions, flushed on shutdown
                                    calibrations=CalibrationStore(settings.state_dir))
         self.workspaces = WorkspaceRegistry(self.scheduler, settings.watch_workspaces, ignore=(settings.state_dir,))
+        warnings = warnings if warnings is not None else []
+        note = settings.default_model_note()
+        if note:
+            warnings.append(note)
         self.runtime = Runtime(self.scheduler, settings, self.workspaces, warnings)  # all the adapters get
         self.server: uvicorn.Server | None = None
         self.port: int | None = None  # the port actually bound, once listening
@@ -273,6 +277,9 @@ class Daemon:
     async def _report_load(self) -> None:
         """Say in the log how the model load ended (the scheduler keeps it to /health)."""
         log.info("loading model %s", self.settings.model_path)
+        note = self.settings.default_model_note()
+        if note:
+            log.warning("%s", note)
         started = time.perf_counter()
         while self.scheduler.state == "loading":
             await anyio.sleep(0.05)

@@ -40,6 +40,7 @@ import os
 import shutil
 import struct
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -47,6 +48,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from engine.backends.base import Backend
@@ -63,6 +65,7 @@ from engine.training.model import (
     MTPModel, distill_loss, head_agreement, log_softmax, save_safetensors, write_json,
 )
 from engine.training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
+from engine.training.trunk_cache import CachedHeads, TrunkOutputs, WindowBatches, draft_vocabulary, trunk_outputs
 
 SIDECAR = HEADS_FILE  # mtp.safetensors, where the loader and `mtplxd convert` keep heads
 ZERO_BIAS = "model-zero-bias.safetensors"
@@ -94,6 +97,14 @@ class HeadsSettings:
     # A checkpoint that has heads: distil them further, starting from their weights
     # (joint training leaves heads that agree with the trunk less than distilled ones).
     replace_heads: bool = False
+    # New heads: run the frozen trunk once over `windows` corpus windows and train on its
+    # cached outputs (engine/training/trunk_cache.py): the top_k of each next-token
+    # distribution, the head's softmax over a draft_vocab-token draft vocabulary.
+    # windows None: every window of the corpus; cached False: the trunk runs every step.
+    cached: bool = True
+    windows: int | None = None
+    top_k: int = 32
+    draft_vocab: int = 8192
 
 
 def mimo_config(config: dict, keys: set[str], heads: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
@@ -169,7 +180,9 @@ def prepare_output(src: Path, out: Path, heads: int, replace: bool = False) -> t
     embed = "model.embed_tokens.weight"
     if embed not in keys:
         raise CheckpointError(f"{src}: no {embed}")
-    dtype = _DTYPES.get(read_header(keys[embed])[embed]["dtype"], mx.float32)
+    # Heads are stored as the trunk's embedding is; bfloat16 beside a quantized trunk (a
+    # quantized head drafts worse).
+    dtype = _DTYPES.get(read_header(keys[embed])[embed]["dtype"], mx.bfloat16)
     _check_new_folder(src, out)
     copy_without_heads(src, out, lambda k: k.startswith(HEAD_PREFIX), skip=("config.json", ZERO_BIAS))
     if biases:
@@ -463,6 +476,9 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     batches = Batches(stream, s.seq_len, s.batch, s.seed)
 
     mx.random.seed(s.seed)
+    if s.cached and not own:
+        return _train_cached(s, config, dtype, engine_, stream, held_windows(s, encoder, fim_rate, fim_order, eos),
+                             corpus_info, resume, callback, say)
     model = FamilyHeads(engine_.backend, report, src) if own else _mimo_heads(config, engine_, s.heads or 2)
     weights = (1.0,) * model.n_heads
 
@@ -476,9 +492,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
         save_safetensors(out / SIDECAR, model.named_tensors(heads_only=True), dtype)
 
     evaluate = None
-    held = held_out_files(s.corpus) if s.eval_windows else []
-    windows = eval_windows(build_stream(encoder, [d.text for d in held], s.seq_len, fim_rate, s.seed + 1,
-                                        eos_id=eos, fim_order=fim_order), s.seq_len, s.eval_windows) if held else None
+    windows = held_windows(s, encoder, fim_rate, fim_order, eos)
     if windows is not None:
         evaluate = lambda: evaluate_heads(model, windows)  # noqa: E731
 
@@ -500,6 +514,87 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
                                 compile=s.compile, progress=s.progress, threads=s.threads,
                                 max_minutes=s.max_minutes)
     return trainer.run(job, loop, resume=resume, callback=callback)
+
+
+def held_windows(s: HeadsSettings, encoder, fim_rate: float, fim_order: str, eos) -> mx.array | None:
+    """Windows of the held-out modules, for the evaluations during training."""
+    held = held_out_files(s.corpus) if s.eval_windows else []
+    if not held:
+        return None
+    stream = build_stream(encoder, [d.text for d in held], s.seq_len, fim_rate, s.seed + 1, eos_id=eos,
+                          fim_order=fim_order)
+    return eval_windows(stream, s.seq_len, s.eval_windows)
+
+
+def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, stream: np.ndarray,
+                  held: mx.array | None, corpus_info: dict, resume: bool, callback, say) -> trainer.TrainResult:
+    """New MiMo-style heads against the trunk's outputs, computed once (trunk_cache.py)."""
+    from mlx_lm.models import mimo
+
+    out = Path(s.out)
+    state_dir = out / trainer.STATE_DIR
+    trunk = engine_.backend.trunk
+    vocab = draft_vocabulary(stream, s.draft_vocab)
+    embed = _dense(trunk.model.embed_tokens)
+    lm_rows = (embed if getattr(trunk.args, "tie_word_embeddings", True) else _dense(trunk.lm_head))[vocab]
+    cache_file = state_dir / "trunk_outputs.safetensors"
+    if resume and cache_file.is_file():
+        outputs = TrunkOutputs.load(cache_file)
+    else:
+        windows = corpus_windows(stream, s.seq_len, s.windows, s.seed)
+        say(f"trunk: running once over {len(windows)} windows of {s.seq_len} tokens (top {s.top_k} of "
+            f"a {vocab.shape[0]}-token draft vocabulary kept)")
+        started = time.perf_counter()
+        outputs = trunk_outputs(trunk.model, lm_rows, windows, s.top_k, progress=s.progress)
+        say(f"trunk outputs: {time.perf_counter() - started:.0f} s")
+        outputs.save(cache_file)
+    held_outputs = trunk_outputs(trunk.model, lm_rows, np.array(held), s.top_k) if held is not None else None
+    model = CachedHeads(mimo.ModelArgs.from_dict(config), s.heads or 2, embed, lm_rows)
+    mx.eval(model.parameters())
+    say(f"training {model.n_heads} head(s) on {len(outputs)} cached windows")
+
+    def write_model() -> None:
+        names = {f"{HEAD_PREFIX}{i}.{k}": v for i, layer in enumerate(model.mtp_layers)
+                 for k, v in tree_flatten(layer.parameters())}
+        save_safetensors(out / SIDECAR, names, dtype)
+
+    evaluate = None
+    if held_outputs is not None:
+        every = mx.arange(len(held_outputs))
+        evaluate = lambda: {f"head{k + 1}_agree": a for k, a in enumerate(model.agreement(held_outputs, every))}  # noqa: E731
+    job = trainer.Job(
+        module=model,
+        loss=lambda m, batch: m.loss(outputs, batch),
+        part_names=[f"head{k + 1}_ce" for k in range(model.n_heads)],
+        batches=WindowBatches(len(outputs), s.seq_len, s.batch, s.seed),
+        out=out,
+        write_model=write_model,
+        describe={"mode": "heads", "settings": asdict(s), "corpus": corpus_info, "config": config,
+                  "head_dtype": next(k for k, v in _DTYPES.items() if v == dtype)},
+        evaluate=evaluate,
+    )
+    loop = trainer.LoopSettings(steps=s.steps, lr=s.lr, warmup=s.warmup, save_every=s.save_every,
+                                compile=s.compile, progress=s.progress, threads=s.threads,
+                                max_minutes=s.max_minutes)
+    return trainer.run(job, loop, resume=resume, callback=callback)
+
+
+def corpus_windows(stream: np.ndarray, seq_len: int, limit: int | None, seed: int) -> np.ndarray:
+    """Non-overlapping windows of seq_len + 1 tokens of the stream; `limit` of them, chosen
+    at random (seeded) from the whole corpus, when given."""
+    n = (len(stream) - 1) // seq_len
+    starts = np.arange(n) * seq_len
+    if limit is not None and limit < n:
+        starts = np.sort(np.random.default_rng(seed).choice(starts, size=limit, replace=False))
+    return np.stack([stream[i:i + seq_len + 1] for i in starts]).astype(np.int32)
+
+
+def _dense(layer: nn.Module) -> mx.array:
+    """A (possibly quantized) linear or embedding layer's weight as a float32 matrix."""
+    if hasattr(layer, "scales"):
+        return mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=layer.group_size,
+                             bits=layer.bits).astype(mx.float32)
+    return layer.weight.astype(mx.float32)
 
 
 def _mimo_heads(config: dict, engine_, n_heads: int) -> MTPModel:

@@ -13,6 +13,7 @@ Every user error is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -38,7 +39,9 @@ def _state_dir_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_pull_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("repo_id", metavar="REPO_ID", help="Hugging Face repository, e.g. XiaomiMiMo/MiMo-7B-RL")
+    p.add_argument("repo_id", metavar="REPO_ID|FILE.gguf",
+                   help="Hugging Face repository, e.g. XiaomiMiMo/MiMo-7B-RL, or a local .gguf file")
+    p.add_argument("--file", metavar="NAME.gguf", help="a GGUF file of the repository to import")
     p.add_argument("--revision", metavar="R", help="branch, tag or commit (default: main)")
     _quantize_arguments(p)
     p.add_argument("--name", help="name in the models folder (default: the repository's name + -4bit/-8bit)")
@@ -46,7 +49,8 @@ def add_pull_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="checkpoint folder (Hugging Face layout) with MTP heads")
+    p.add_argument("path", metavar="PATH", help="checkpoint folder (Hugging Face layout) with MTP heads, "
+                                                "or a .gguf file")
     p.add_argument("--out", metavar="DIR", required=True, help="output folder (must not exist)")
     _quantize_arguments(p)
 
@@ -102,6 +106,66 @@ def _spec(args: argparse.Namespace):
 
 
 def _pull(args: argparse.Namespace) -> int:
+    from engine.gguf_import import is_gguf
+
+    if args.file or is_gguf(args.repo_id):
+        return _pull_gguf(args)
+    return _pull_repository(args)
+
+
+def _pull_gguf(args: argparse.Namespace) -> int:
+    """A local .gguf file, or one file of a repository: imported into the models folder."""
+    from engine.gguf_import import GGUFError, is_gguf
+    from mtplxd.config import resolve_state_dir
+    from mtplxd.store import hub
+    from mtplxd.store.models import check_name, check_repo_id, models_dir
+
+    if args.file and not is_gguf(args.file):
+        raise GGUFError(f"--file {args.file}: not a .gguf file")
+    local = Path(args.repo_id).expanduser()
+    if args.file:
+        check_repo_id(args.repo_id)
+    elif not local.is_file():
+        raise GGUFError(f"{local}: no such file")
+    name = check_name(args.name or Path(args.file or local.name).stem)
+    dest = models_dir(resolve_state_dir(args.state_dir)) / name
+    source = f"{args.repo_id}:{args.file}" if args.file else str(local.absolute())
+    path = hub.download_file(args.repo_id, args.file, args.revision) if args.file else local
+    if dest.exists() and _already_imported(dest, name, source, path):
+        return 0
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return _import_gguf(path, dest, args, source, args.revision)
+
+
+def _import_gguf(path: Path, dest: Path, args: argparse.Namespace, source: str, revision: str | None) -> int:
+    """Import into `dest`; one there already (an import with older heads) is replaced
+    only once the new one is complete."""
+    import shutil
+
+    from engine.gguf_import import import_gguf
+    from mtplxd.store.models import new_record, write_record
+
+    spec = _spec(args)
+    print(f"importing {path.name}", file=sys.stderr)
+    fresh = dest.with_name(f".{dest.name}.new") if dest.exists() else dest
+    if fresh != dest:
+        shutil.rmtree(fresh, ignore_errors=True)
+    result = import_gguf(path, fresh, spec.bits, spec.group_size, source=source)
+    write_record(fresh, {**new_record(dest.name, source, revision, result), "heads_digest": result.heads_digest})
+    if fresh != dest:
+        old = dest.with_name(f".{dest.name}.old")
+        os.replace(dest, old)
+        os.replace(fresh, dest)
+        shutil.rmtree(old, ignore_errors=True)
+        result = dataclasses.replace(result, out=dest)
+    quant = "quantized as in the file" if result.quantization else "float"
+    heads = f"{result.mtp_heads} shipped MTP head(s)" if result.mtp_heads else "no MTP head (AR only)"
+    print(f"{dest}: {result.family}, {heads}, {quant}, {_size(result.size_bytes)}; "
+          f"start it with: mtplxd start --model {dest.name}")
+    return 0
+
+
+def _pull_repository(args: argparse.Namespace) -> int:
     from engine.conversion import convert_checkpoint
     from mtplxd.store import hub
     from mtplxd.config import resolve_state_dir
@@ -137,6 +201,25 @@ def _already_there(dest: Path, name: str, repo_id: str, spec) -> int:
                      f"choose another --name, or remove it with: mtplxd rm {name}")
 
 
+def _already_imported(dest: Path, name: str, source: str, path: Path) -> bool:
+    """True when `dest` is this file's import with the heads shipped now; False when it is
+    one with other heads (to be redone); a model from elsewhere is an error."""
+    from engine.gguf_import import read_gguf
+    from engine.shipped_heads import shipped_heads
+    from mtplxd.store.models import ModelError, read_record
+
+    record = read_record(dest) or {}
+    if record.get("source") == source:
+        heads = shipped_heads(read_gguf(path).metadata)
+        if record.get("heads_digest") == (heads.digest if heads else None):
+            print(f"{name} is already imported ({dest}); start it with: mtplxd start --model {name}")
+            return True
+        print(f"{name}: the MTP heads shipped for it changed; importing again", file=sys.stderr)
+        return False
+    raise ModelError(f"{dest} already exists (from {record.get('source', 'elsewhere')}); "
+                     f"choose another --name, or remove it with: mtplxd rm {name}")
+
+
 def _check_before_download(repo_id: str, revision: str | None, spec, dest: Path) -> None:
     """Online only: refuse a repository without weights or MTP head, or a disk without room,
     before the weights are fetched."""
@@ -164,11 +247,17 @@ def _check_before_download(repo_id: str, revision: str | None, spec, dest: Path)
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from engine.conversion import convert_checkpoint
+    from engine.conversion import ConversionError, convert_checkpoint
+    from engine.gguf_import import is_gguf
     from mtplxd.store.models import new_record, write_record
 
     spec = _spec(args)
     source = str(Path(args.path).expanduser().absolute())
+    if is_gguf(source):
+        out = Path(args.out).expanduser().absolute()
+        if out.exists():
+            raise ConversionError(f"{out}: already exists; remove it or choose another output folder")
+        return _import_gguf(Path(source), out, args, source, None)
     result = convert_checkpoint(source, args.out, spec)
     write_record(result.out, new_record(result.out.name, source, None, result))
     _print_result(result, f"mtplxd start --model {result.out}")

@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="OpenBLAS threads while training (default 1: training is bound by single-threaded "
                         "element-wise work, and one thread does not stall on a shared machine)")
     p.add_argument("--no-compile", action="store_true", help="do not mx.compile the training step")
+    p.add_argument("--windows", metavar="N", type=int,
+                   help="heads-only: corpus windows the frozen trunk runs over once (default: all of them)")
+    p.add_argument("--draft-vocab", metavar="N", type=int,
+                   help="heads-only: the head's training softmax covers the corpus's N most frequent tokens "
+                        "(default 8192)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         "heads": args.heads, "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
         "lr": args.lr, "seed": args.seed, "save_every": args.save_every, "threads": args.threads,
         "max_minutes": args.max_minutes, "fim_order": args.fim_order,
+        "windows": args.windows, "draft_vocab": args.draft_vocab,
         "max_corpus_bytes": int(args.max_corpus_mb * 1e6) if args.max_corpus_mb else None,
     }
     given = {k: v for k, v in given.items() if v is not None}
@@ -101,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
             result = train.train_heads(train.HeadsSettings(model=args.model, out=args.out,
                                                            replace_heads=args.replace_heads, **given))
         else:
-            if args.model:
-                print("mtplxd: --model is for --heads-only", file=sys.stderr)
+            heads_only = sorted({"windows", "draft_vocab"} & set(given)) + (["model"] if args.model else [])
+            if heads_only:
+                print(f"mtplxd: --{', --'.join(k.replace('_', '-') for k in heads_only)} is for --heads-only",
+                      file=sys.stderr)
                 return 2
             result = train.train_model(train.ModelSettings(out=args.out, **given))
     except KeyboardInterrupt:

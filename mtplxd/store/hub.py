@@ -121,6 +121,13 @@ def download(repo_id: str, revision: str | None) -> Path:
     return Path(_call(snapshot_download, repo_id, revision, allow_patterns=ALLOW_PATTERNS))
 
 
+def download_file(repo_id: str, filename: str, revision: str | None) -> Path:
+    """One file of the repository (a GGUF), from the cache or downloaded into it."""
+    from huggingface_hub import hf_hub_download
+
+    return Path(_call(hf_hub_download, repo_id, revision, filename=filename))
+
+
 def _call(function, repo_id: str, revision: str | None, **options):
     """Run a huggingface_hub call; its errors become one-line HubErrors."""
     try:

@@ -1,0 +1,156 @@
+"""Heads-only training on a real trunk, with the trunk run once.
+
+A frozen trunk gives the same hidden states and next-token distributions every epoch,
+and on a CPU its forward is most of a naive step: SmolLM2-135M took 27-33 s a step that
+way. So the trunk runs once over the corpus windows (`trunk_outputs`), keeping per
+position its final-normed hidden state (float16) and the top-k of its next-token
+distribution; the heads then train on that for as many epochs as wanted, at the cost of
+the heads alone.
+
+Both distributions live on a draft vocabulary: the `size` most frequent tokens of the
+corpus (`draft_vocabulary`). A vocabulary-wide LM head (49k x 576 for SmolLM2) costs a
+head's step twice over and its softmax and top-k half the trunk's forward again, while
+the tokens code never uses teach a head nothing. The loss is the top-k cross-entropy
+H(p_topk, q) of the head against the trunk, both softmaxes over the draft vocabulary:
+KL(p || q) less p's own entropy, with the mass outside the top k left out. At decode
+time the head still scores the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from engine.backends.mimo import MTPLayer
+from engine.training.model import fast_exp, log_softmax
+
+
+def draft_vocabulary(stream: np.ndarray, size: int) -> mx.array:
+    """The `size` most frequent token ids of the corpus stream (sorted ids)."""
+    counts = np.bincount(stream.astype(np.int64))
+    chosen = np.argsort(-counts, kind="stable")[:size]
+    return mx.array(np.sort(chosen[counts[chosen] > 0]).astype(np.int32))
+
+
+@dataclass
+class TrunkOutputs:
+    """Per window i and position t < S: what the trunk read (tokens[i, :S]) and said."""
+
+    tokens: mx.array  # [N, S+1] int32: the window (inputs and the token after the last)
+    hidden: mx.array  # [N, S, D] float16: final-normed hidden (what head 0 reads)
+    top_ids: mx.array  # [N, S, K] int32: the k most likely next tokens (draft-vocabulary indices)
+    top_logp: mx.array  # [N, S, K] float16: their log-probabilities over the draft vocabulary
+
+    def save(self, path) -> None:
+        mx.save_safetensors(str(path), {"tokens": self.tokens, "hidden": self.hidden, "top_ids": self.top_ids,
+                                        "top_logp": self.top_logp})
+
+    @classmethod
+    def load(cls, path) -> TrunkOutputs:
+        arrays = mx.load(str(path))
+        return cls(arrays["tokens"], arrays["hidden"], arrays["top_ids"], arrays["top_logp"])
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def trunk_outputs(hidden_of: Callable[[mx.array], mx.array], lm_rows: mx.array, windows: np.ndarray, top_k: int,
+                  chunk: int = 4, progress: bool = False) -> TrunkOutputs:
+    """Run the frozen trunk over every window once. `hidden_of`: tokens [B, L] -> the
+    final-normed hidden (a prefill without cache); `lm_rows`: the LM head's rows of the
+    draft vocabulary [V', D]."""
+    S = windows.shape[1] - 1
+    hidden, ids, logp = [], [], []
+    started = time.perf_counter()
+    for i in range(0, len(windows), chunk):
+        x = mx.array(windows[i:i + chunk, :S])
+        h = hidden_of(x)
+        lp = log_softmax((h @ lm_rows.T).astype(mx.float32))
+        top = mx.argpartition(lp, -top_k, axis=-1)[..., -top_k:].astype(mx.int32)
+        hidden.append(h.astype(mx.float16))
+        ids.append(top)
+        logp.append(mx.take_along_axis(lp, top, axis=-1).astype(mx.float16))
+        mx.eval(hidden[-1], ids[-1], logp[-1])
+        if progress:
+            done = min(i + chunk, len(windows))
+            rate = done * S / (time.perf_counter() - started)
+            print(f"\rtrunk outputs: {done}/{len(windows)} windows, {rate:.0f} tokens/s", end="",
+                  file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return TrunkOutputs(mx.array(windows.astype(np.int32)), mx.concatenate(hidden), mx.concatenate(ids),
+                        mx.concatenate(logp))
+
+
+class CachedHeads(nn.Module):
+    """New MiMo-style heads trained against cached trunk outputs.
+
+    `embed` is the trunk's (frozen) input embedding, `lm_rows` its LM head's rows for the
+    draft vocabulary (tied models: the embedding's)."""
+
+    def __init__(self, args, n_heads: int, embed: mx.array, lm_rows: mx.array):
+        super().__init__()
+        self.mtp_layers = [MTPLayer(args) for _ in range(n_heads)]
+        self._embed = embed
+        self._lm_rows = lm_rows  # [V', D]
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.mtp_layers)
+
+    def heads_logits(self, hidden: mx.array, x: mx.array):
+        """Yield (k, head k's draft-vocabulary logits) over every position it can predict:
+        at position p head k reads (head k-1's output or the trunk's hidden at p, x[p+k+1])."""
+        S = x.shape[1] - 1
+        for k, layer in enumerate(self.mtp_layers):
+            n = S - k - 1
+            if n < 1:
+                break
+            hidden = layer(hidden[:, :n], self._embed[x[:, k + 1:k + 1 + n]], None)
+            yield k, hidden @ self._lm_rows.T
+
+    def loss(self, outputs: TrunkOutputs, batch: mx.array):
+        """(total, per-head losses): top-k cross-entropy against the trunk at p+k+1."""
+        x = outputs.tokens[batch]
+        h = outputs.hidden[batch].astype(mx.float32)
+        top = outputs.top_ids[batch]
+        p = fast_exp(outputs.top_logp[batch].astype(mx.float32))
+        losses = []
+        for k, logits in self.heads_logits(h, x):
+            n = logits.shape[1]
+            logq = log_softmax(logits)
+            picked = mx.take_along_axis(logq, top[:, k + 1:k + 1 + n], axis=-1)
+            losses.append(-(p[:, k + 1:k + 1 + n] * picked).sum(axis=-1).mean())
+        return sum(losses), mx.stack(losses)
+
+    def agreement(self, outputs: TrunkOutputs, batch: mx.array) -> list[float]:
+        """Per head: how often its argmax is the trunk's (teacher-forced, held-out windows)."""
+        x = outputs.tokens[batch]
+        h = outputs.hidden[batch].astype(mx.float32)
+        greedy = mx.take_along_axis(outputs.top_ids[batch], outputs.top_logp[batch].argmax(axis=-1)[..., None],
+                                    axis=-1)[..., 0]
+        agree = []
+        for k, logits in self.heads_logits(h, x):
+            n = logits.shape[1]
+            agree.append((logits.argmax(axis=-1) == greedy[:, k + 1:k + 1 + n]).astype(mx.float32).mean().item())
+        return agree
+
+
+class WindowBatches:
+    """The trainer's batch source over cached windows: a batch is an array of window
+    indices, a seeded permutation per epoch (the data position is one integer)."""
+
+    def __init__(self, n_windows: int, seq_len: int, batch: int, seed: int):
+        self.n, self.seq_len, self.batch, self.seed = n_windows, seq_len, batch, seed
+
+    def get(self, position: int) -> np.ndarray:
+        epoch, start = divmod(position, self.n)
+        order = np.random.default_rng(self.seed + epoch).permutation(self.n)
+        picked = np.concatenate([order, np.random.default_rng(self.seed + epoch + 1).permutation(self.n)])
+        return picked[start:start + self.batch].astype(np.int32)
