@@ -1,4 +1,5 @@
-"""Prompt token ids from the tokenizer's own templates: chat and fill-in-the-middle.
+"""Prompt token ids from the tokenizer's own templates: chat, fill-in-the-middle, and
+prefix-only code completion for models without FIM tokens.
 
 Everything here works on an mlx-lm TokenizerWrapper (or the Hugging Face
 tokenizer it wraps) and plain Python values; no MLX, no asyncio, so adapters
@@ -12,7 +13,7 @@ import bisect
 import json
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from jinja2 import TemplateError
 
@@ -41,12 +42,32 @@ class FimTokens:
     suffix: int
     middle: int
     order: str = "psm"  # or "spm", as the model was trained (engine/training/data.py)
+    reads_suffix: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return f"fim-{self.order}"
 
     def layout(self, prefix_ids: list[int], suffix_ids: list[int]) -> list[int]:
         """The prompt after which the model writes the middle."""
         if self.order == "spm":
             return [self.prefix, self.suffix, *suffix_ids, self.middle, *prefix_ids]
         return [self.prefix, *prefix_ids, self.suffix, *suffix_ids, self.middle]
+
+
+@dataclass(frozen=True)
+class PrefixOnly:
+    """The layout of a model without FIM tokens (SmolLM2, most Llama-family models): it
+    continues the text before the cursor, and the suffix is left out. What follows the
+    cursor still bounds the completion, as callers that know it read it from the
+    document (adapters/lsp/postprocess.py stops at the line below the cursor)."""
+
+    order: ClassVar[str] = "prefix-only"
+    name: ClassVar[str] = "prefix-only"
+    reads_suffix: ClassVar[bool] = False
+
+    def layout(self, prefix_ids: list[int], suffix_ids: list[int]) -> list[int]:
+        return list(prefix_ids)
 
 
 # -- chat ------------------------------------------------------------------------
@@ -235,11 +256,31 @@ def fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str) -> list[int]:
 
 def healed_fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str, heal: bool = True) -> tuple[list[int], Heal | None]:
     """`fim_prompt_ids` with the prefix's last token healed (see heal_last_token)."""
-    fim = fim_tokens(tokenizer)
+    return _cursor_prompt(tokenizer, fim_tokens(tokenizer), prefix, suffix, heal)
+
+
+def completion_layout(tokenizer: Any) -> FimTokens | PrefixOnly:
+    """How code at a cursor is prompted: the model's FIM tokens, else PrefixOnly."""
+    try:
+        return fim_tokens(tokenizer)
+    except ValueError:
+        return PrefixOnly()
+
+
+def cursor_prompt_ids(tokenizer: Any, prefix: str, suffix: str, heal: bool = True) -> tuple[list[int], Heal | None]:
+    """`healed_fim_prompt_ids` where the model has FIM tokens, else the prefix alone (its
+    last token healed all the same): for callers that complete code at a cursor whatever
+    the model. /v1/completions does not: a `suffix` it cannot show is a client error."""
+    return _cursor_prompt(tokenizer, completion_layout(tokenizer), prefix, suffix, heal)
+
+
+def _cursor_prompt(tokenizer: Any, layout: FimTokens | PrefixOnly, prefix: str, suffix: str,
+                   heal: bool) -> tuple[list[int], Heal | None]:
     prefix_ids, healed = _encode_plain(tokenizer, prefix), None
     if heal:
         prefix_ids, healed = heal_last_token(tokenizer, prefix_ids)
-    return [*leading_special(tokenizer), *fim.layout(prefix_ids, _encode_plain(tokenizer, suffix))], healed
+    suffix_ids = _encode_plain(tokenizer, suffix) if layout.reads_suffix else []
+    return [*leading_special(tokenizer), *layout.layout(prefix_ids, suffix_ids)], healed
 
 
 def _encode_plain(tokenizer: Any, text: str) -> list[int]:

@@ -46,8 +46,10 @@ class ShippedHeads:
         return hashlib.sha256((self.folder / HEADS_FILE).read_bytes()).hexdigest()[:16]
 
 
-def shipped_heads(metadata: dict[str, Any], root: Path = HEADS_DIR) -> ShippedHeads | None:
-    """The shipped heads for a GGUF file with this metadata, if any."""
+def shipped_heads(metadata: dict[str, Any], root: Path | None = None) -> ShippedHeads | None:
+    """The shipped heads for a GGUF file with this metadata, if any (`root`: HEADS_DIR,
+    read when called)."""
+    root = HEADS_DIR if root is None else Path(root)
     if not root.is_dir():
         return None
     for folder in sorted(root.iterdir()):

@@ -6,8 +6,9 @@ session bank keeps one namespace per workspace. The scheduler tells the registry
 about every workspace a request names; the registry watches the most recent
 ones (watchfiles, `watch_workspaces` at most) and, when a source file changes on
 disk, warms that file's context at background priority: the prefix every
-fill-in-the-middle completion in the file shares up to its cursor (the FIM
-prefix marker and the file's text), so the next completion there starts warm.
+completion in the file shares up to its cursor (the FIM prefix marker and the
+file's text; the text alone for a model without FIM tokens, which completes from
+the prefix), so the next completion there starts warm.
 Changes to one file coalesce (the newest content wins, a warm-up in flight for
 an older one is cancelled); one warm-up runs at a time. When a watched folder
 disappears, its entries are dropped from the bank.
@@ -25,7 +26,7 @@ import anyio
 import anyio.to_thread
 from watchfiles import Change, DefaultFilter, awatch
 
-from engine.prompts import completion_prompt_ids, fim_prompt_ids, fim_tokens
+from engine.prompts import completion_layout, cursor_prompt_ids
 from mtplxd.requests import Failed, WarmRequest, Warmed, workspace_key
 
 log = logging.getLogger("mtplxd.workspaces")
@@ -42,15 +43,14 @@ WATCH_TIMEOUT_MS = 2000  # the watcher wakes this often to see whether its folde
 
 
 def warmup_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """What fill-in-the-middle prompts for this file share up to their cursor: the FIM
-    prefix marker and the text (the plain text when the model has no FIM). A model
-    trained suffix-prefix-middle reads the suffix first, so only prompts with nothing
-    after the cursor share the text: those are what it warms."""
-    try:
-        ids = fim_prompt_ids(tokenizer, text, "")
-    except ValueError:
-        return completion_prompt_ids(tokenizer, text)
-    return ids if fim_tokens(tokenizer).order == "spm" else ids[:-2]  # PSM: drop the suffix and middle markers
+    """What completion prompts at a cursor in this file share up to it, when no other file
+    comes first (an editor's with no other file of the workspace open, fim_complete's, a
+    /v1/completions with a suffix): the BOS, the FIM prefix marker and the text; the BOS
+    and the text for a model without FIM tokens (prefix-only). A model trained
+    suffix-prefix-middle reads the suffix first, so only prompts with nothing after the
+    cursor share the text: those are what it warms."""
+    ids, _ = cursor_prompt_ids(tokenizer, text, "", heal=False)
+    return ids[:-2] if completion_layout(tokenizer).order == "psm" else ids  # PSM: drop the suffix and middle markers
 
 
 class SourceFilter(DefaultFilter):

@@ -2,20 +2,23 @@
 
 The first `mtplxd lsp` of the module starts the daemon itself (as an editor's
 would), on a temporary state dir and a tiny MiMo checkpoint passed by environment
-(MTPLXD_HOME, MTPLXD_MODEL, MTPLXD_PORT=0); every later client shares it. The
-post-processing rules, settings and prompts are also tested directly, without a
-daemon, at the end of the file.
+(MTPLXD_HOME, MTPLXD_MODEL, MTPLXD_PORT=0); every later client shares it. A second
+daemon serves the same model with a tokenizer without FIM tokens (as SmolLM2's):
+prefix-only prompts. The post-processing rules, settings and prompts are also tested
+directly, without a daemon, at the end of the file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import shutil
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException
@@ -28,6 +31,7 @@ from adapters.lsp.postprocess import (
 )
 from mtplxd import client as daemon_client
 from tests.checkpoints import write
+from tests.checkpoints.common import drop_fim_tokens
 from tests.daemon_fixture import daemon_env, mtplxd_command
 
 CANCELLED, CONTENT_MODIFIED, INVALID_PARAMS, METHOD_NOT_FOUND = -32800, -32801, -32602, -32601
@@ -45,6 +49,22 @@ def lsp_env(checkpoint, tmp_path_factory):
     """The environment an editor would give `mtplxd lsp`; stops the daemon it starts."""
     state = tmp_path_factory.mktemp("lsp-state")
     yield daemon_env({"MTPLXD_HOME": str(state), "MTPLXD_MODEL": str(checkpoint), "MTPLXD_PORT": "0"})
+    daemon_client.stop(state)
+
+
+@pytest.fixture(scope="module")
+def no_fim_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """The same model, its tokenizer without FIM tokens (as SmolLM2's, the default model)."""
+    folder = tmp_path_factory.mktemp("ck-no-fim") / "mimo"
+    shutil.copytree(checkpoint, folder)
+    return drop_fim_tokens(folder)
+
+
+@pytest.fixture(scope="module")
+def no_fim_env(no_fim_checkpoint, tmp_path_factory):
+    """`lsp_env` for a daemon serving the model without FIM tokens."""
+    state = tmp_path_factory.mktemp("lsp-state-no-fim")
+    yield daemon_env({"MTPLXD_HOME": str(state), "MTPLXD_MODEL": str(no_fim_checkpoint), "MTPLXD_PORT": "0"})
     daemon_client.stop(state)
 
 
@@ -433,6 +453,46 @@ async def test_cross_file_context_comes_first_and_stays_cached(lsp_env, folders)
 
 
 @pytest.mark.anyio
+async def test_a_model_without_fim_tokens_completes_from_the_prefix(no_fim_env, no_fim_checkpoint, folders):
+    """No FIM tokens: the editor still gets suggestions, from the prefix alone (the prompt's
+    length is the prefix-only prompt's: no FIM markers, no suffix), with the other open
+    files before it, restored from the session bank on the next keystroke. The HTTP API
+    still refuses a `suffix` such a model cannot read."""
+    from engine.engine import load_tokenizer
+
+    async with lsp(no_fim_env, folders["a"]) as (client, _):
+        uri = open_doc(client, folders["a"] / "m.py", SOURCE)
+        [shown] = await texts(client, uri, 1, 11)
+        assert shown.strip()
+        report = await status(client, uri)
+        assert report["promptLayout"] == "prefix-only" and report["connection"]["answered"] == 1
+        builder = PromptBuilder(load_tokenizer(no_fim_checkpoint))
+        expected = builder.build(snapshot(uri, _Doc(SOURCE), 1, 11), Options())
+        assert report["lastPrompt"]["promptTokens"] == len(expected.ids)
+
+        short = {"mtplxd": {"lineMaxTokens": 2, "maxTokens": 2, "prefetch": False}}  # each job ends with its usage
+        client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings=short))
+        open_doc(client, folders["a"] / "hdr.py", "def parse_header(line):\n    name, value = line.split(':')\n")
+        main = open_doc(client, folders["a"] / "main.py", "from hdr import parse_header\n\n"
+                                                            "name, value = parse_header(line)\n")
+        await texts(client, main, 3, 0)
+        first = (await status(client))["lastPrompt"]
+        assert "hdr.py" in [c["path"] for c in first["context"]] and first["contextTokens"] > 0
+        edit(client, main, 2, 3, 0, "x")
+        await texts(client, main, 3, 1)
+        second = (await status(client))["lastPrompt"]
+        assert second["context"] == first["context"] and second["cachedTokens"] >= second["contextTokens"] > 0
+        assert second["promptTokens"] - second["cachedTokens"] <= 8, second  # only what the keystroke changed
+
+    url = daemon_client.daemon_url(Path(no_fim_env["MTPLXD_HOME"]))
+    body = {"prompt": "def f(", "suffix": "):\n", "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as http:
+        refused = await http.post("/v1/completions", json=body)
+        assert refused.status_code == 400 and "fill-in-the-middle" in refused.text
+        assert (await http.post("/v1/completions", json={**body, "suffix": None})).status_code == 200
+
+
+@pytest.mark.anyio
 async def test_two_clients_two_workspaces_and_folder_changes(lsp_env, folders):
     async with lsp(lsp_env, folders["a"]) as (one, _), lsp(lsp_env, folders["b"], encodings=["utf-8"]) as (two, init):
         assert init.capabilities.position_encoding == types.PositionEncodingKind.Utf8
@@ -639,9 +699,9 @@ def test_prompts_budget_and_stable_context(checkpoint):
     snap = snapshot("file:///w/a.py", _Doc(lines + "x = "), 200, 4)
     options = Options(context_tokens=400)
     ids, heal, _ = builder.build(snap, options)
-    assert ids[0] == builder.fim.prefix and ids[-1] == builder.fim.middle
+    assert ids[0] == builder.layout.prefix and ids[-1] == builder.layout.middle
     assert len(ids) <= 400 + 3
-    text = builder.tokenizer.decode(ids[1:ids.index(builder.fim.suffix)])
+    text = builder.tokenizer.decode(ids[1:ids.index(builder.layout.suffix)])
     first = int(text.split(" ")[0].removeprefix("line"))
     assert text.endswith("x =") and heal.text == " "  # the trailing space is left to the first token
     assert 160 < first and first % 4 == 0  # 28 lines fit: steps of 4
@@ -650,13 +710,13 @@ def test_prompts_budget_and_stable_context(checkpoint):
     one, heal_one, _ = builder.build(snap, options, "a.py", other)
     snap2 = snapshot("file:///w/a.py", _Doc(lines + "x = h", 2), 200, 5)
     two, heal_two, _ = builder.build(snap2, options, "a.py", other)
-    context_text = builder.tokenizer.decode(one[:one.index(builder.fim.suffix)])
+    context_text = builder.tokenizer.decode(one[:one.index(builder.layout.suffix)])
     assert context_text.startswith("<|fim_prefix|># b.py\ndef helper():\n    return 42")  # other files first
     assert "# a.py\nline1" in context_text
     assert context_text.endswith("x =")
     # The next keystroke reuses all of it: only what follows the healed prompt differs.
     shared = next((i for i, (p, q) in enumerate(zip(one, two)) if p != q), len(one))
-    assert shared >= one.index(builder.fim.suffix)
+    assert shared >= one.index(builder.layout.suffix)
     assert heal_one.text == " " and heal_two.text in ("h", " h")  # by character, or byte-level BPE
 
 
@@ -679,7 +739,7 @@ def test_prompts_of_a_suffix_prefix_middle_model(checkpoint, tmp_path):
     other = [ContextDocument("file:///w/b.py", 3, "b.py", "python", "def helper():\n    return 42\n")]
     snap = snapshot("file:///w/a.py", _Doc("import os\nx = \nprint(x)\n"), 1, 4)
     ids, heal, context_tokens = builder.build(snap, Options(context_tokens=400), "a.py", other)
-    assert ids.count(builder.fim.middle) == 1
+    assert ids.count(builder.layout.middle) == 1
     text = builder.tokenizer.decode(ids)
     assert text.startswith("# b.py\ndef helper():\n    return 42\n<|endoftext|><|fim_prefix|><|fim_suffix|>"
                            "\nprint(x)\n<|fim_middle|># a.py\nimport os\nx =") and heal.text == " "
@@ -690,6 +750,38 @@ def test_prompts_of_a_suffix_prefix_middle_model(checkpoint, tmp_path):
     elsewhere, _, _ = builder.build(snapshot("file:///w/a.py", _Doc("import os\nx = h\nprint(x)\n", 2), 0, 0),
                                     Options(context_tokens=400), "a.py", other)
     assert elsewhere[:context_tokens] == ids[:context_tokens]  # another place, another suffix: same context
+
+
+def test_prompts_of_a_model_without_fim_tokens(checkpoint, no_fim_checkpoint):
+    """Prefix-only: the FIM layout's files and headers without FIM markers, then the prefix,
+    ending at the cursor (its last token healed); no suffix. The workspace watcher's warm-up
+    of the file is what the prompt begins with when no other file comes first, for this
+    model as for one with FIM tokens."""
+    from engine.engine import load_tokenizer
+    from mtplxd.workspaces import warmup_prompt_ids
+
+    builder = PromptBuilder(load_tokenizer(no_fim_checkpoint))
+    assert builder.layout.name == "prefix-only"
+    fim = PromptBuilder(load_tokenizer(checkpoint)).layout  # the ids, renamed in this tokenizer
+    fim_ids = {fim.prefix, fim.suffix, fim.middle}
+    other = [ContextDocument("file:///w/b.py", 3, "b.py", "python", "def helper():\n    return 42\n")]
+    text = "import os\nx = \nprint(x)\n"
+    snap = snapshot("file:///w/a.py", _Doc(text), 1, 4)
+    ids, heal, context_tokens = builder.build(snap, Options(context_tokens=400), "a.py", other)
+    assert not fim_ids & set(ids)
+    decoded = builder.tokenizer.decode(ids)
+    assert decoded.startswith("# b.py\ndef helper():\n    return 42") and "print" not in decoded
+    assert decoded.endswith("# a.py\nimport os\nx =") and heal.text == " "  # the prefix, up to the cursor
+    assert builder.tokenizer.decode(ids[:context_tokens]).startswith("# b.py")
+    two, _, _ = builder.build(snapshot("file:///w/a.py", _Doc("import os\nx = h\nprint(x)\n", 2), 1, 5),
+                              Options(context_tokens=400), "a.py", other)
+    assert two[: len(ids)] == ids  # the next keystroke extends the prompt
+
+    for model in (no_fim_checkpoint, checkpoint):
+        builder = PromptBuilder(load_tokenizer(model))
+        warm = warmup_prompt_ids(builder.tokenizer, text)
+        at_the_end, _, _ = builder.build(snapshot("file:///w/a.py", _Doc(text), 3, 0), Options(context_tokens=400))
+        assert len(warm) >= len(builder.encode(text)) and at_the_end[: len(warm) - 1] == warm[:-1], model
 
 
 def test_chunk_ring_recency_similarity_budget_and_stability():

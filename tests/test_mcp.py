@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import statistics
 import threading
 import time
@@ -42,7 +43,8 @@ from engine.prompts import chat_prompt_ids
 from mtplxd import client
 from mtplxd.config import Settings
 from tests.checkpoints import write
-from tests.daemon_fixture import mtplxd_command
+from tests.checkpoints.common import drop_fim_tokens
+from tests.daemon_fixture import mtplxd_command, running_daemon
 
 pytestmark = pytest.mark.anyio
 
@@ -261,7 +263,7 @@ async def test_tools_resources_and_prompts(transport, daemon, folders):
         assert (out["path"], out["line"], out["character"], out["language"]) == ("pkg/mod.py", 1, 4, "python")
         out = await call(session, "fim_complete", ws_args(transport, folders, prefix="def f(x):\n    ",
                                                           suffix="\n", language="python", max_tokens=8))
-        assert out["path"] is None and out["language"] == "python"
+        assert out["path"] is None and out["language"] == "python" and out["suffix_used"] is True
 
         warm = await call(session, "warm_workspace", ws_args(transport, folders, paths=["pkg/mod.py"]))
         assert warm["workspace"] == str(folders.a) and warm["queued"] == ["pkg/mod.py"]
@@ -282,6 +284,7 @@ async def test_tools_resources_and_prompts(transport, daemon, folders):
         assert templates == ["mtplxd://sessions/{workspace}"]
         model = json.loads((await session.read_resource("mtplxd://model")).contents[0].text)
         assert (model["id"], model["mtp_heads"], model["fill_in_the_middle"]) == ("mimo", 1, True)
+        assert model["code_completion"] == "fim-psm"
         metrics = (await session.read_resource("mtplxd://metrics")).contents[0].text
         assert "mtplxd_active_generations" in metrics and 'endpoint="/mcp"' in metrics
         await idle(session)
@@ -361,6 +364,32 @@ async def test_two_clients_in_two_workspaces_keep_separate_caches(daemon, folder
     for figures in (figures_c, figures_d):  # each reached the scheduler as its own TextRequest.workspace
         assert figures["jobs"] == 3 and figures["session_bank"]["entries"] >= 1
         assert figures["cached_tokens"] > 0 and figures["session_bank"]["hits"] >= 1
+
+
+async def test_fim_complete_without_fim_tokens_continues_the_prefix(checkpoint, tmp_path):
+    """A model without FIM tokens (as SmolLM2's, the default model): fim_complete answers from
+    the text before the cursor alone and says so (`suffix_used` false), the model card says
+    prefix-only, and a completion at a file's end restores the file's warm-up from the bank."""
+    model = drop_fim_tokens(Path(shutil.copytree(checkpoint, tmp_path / "no-fim")))
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "mod.py").write_text(MODULE)
+    with running_daemon(tmp_path / "state", model, "--api-key", KEY) as daemon_:
+        async with http(daemon_.base_url, roots=(workspace,)) as session:
+            card = json.loads((await session.read_resource("mtplxd://model")).contents[0].text)
+            assert (card["fill_in_the_middle"], card["code_completion"]) == (False, "prefix-only")
+            out = await call(session, "fim_complete", {"workspace": str(workspace), "prefix": "def f(x):\n    ",
+                                                       "suffix": "\n", "max_tokens": 8})
+            assert out["suffix_used"] is False and out["text"] and out["usage"]["completion_tokens"] > 0
+
+            warm = await call(session, "warm_workspace", {"workspace": str(workspace), "paths": ["mod.py"]})
+            assert warm["queued"] == ["mod.py"] and warm["prompt_tokens"] > 0
+            await idle(session)
+            out = await call(session, "fim_complete", {"workspace": str(workspace), "path": "mod.py",
+                                                       "line": MODULE.count("\n"), "character": 0, "max_tokens": 4})
+            usage = out["usage"]
+            assert out["suffix_used"] is False and usage["prompt_tokens"] == warm["prompt_tokens"] - 1  # healed
+            assert usage["cached_tokens"] >= usage["prompt_tokens"] - 1  # all but the token fed again
 
 
 @pytest.mark.parametrize("transport", ["stdio", "http"])

@@ -143,10 +143,7 @@ def prompt_builder(model: ModelInfo) -> PromptBuilder:
     """One prompt builder for the loaded model (its token counts are shared by every connection)."""
     global _BUILDER
     if _BUILDER is None or _BUILDER[0] is not model:
-        try:
-            _BUILDER = (model, PromptBuilder(model.tokenizer))
-        except ValueError as e:  # no FIM tokens
-            raise RequestFailed(f"the loaded model cannot complete code in editors: {e}") from None
+        _BUILDER = (model, PromptBuilder(model.tokenizer))  # a model without FIM tokens: prefix-only prompts
     return _BUILDER[1]
 
 

@@ -14,7 +14,10 @@
   consecutive keystrokes share a long prompt prefix the session bank can reuse.
   With `<|file_sep|>` in the vocabulary (Qwen coder models), they are laid out in
   its repository format; a suffix-prefix-middle model gets them as the plain
-  documents, each ended by end-of-text, it was trained on.
+  documents, each ended by end-of-text, it was trained on. A model without FIM
+  tokens gets the same prompt without the FIM markers and the suffix: the other
+  files, the file's header and the prefix (its whole budget), ending at the cursor
+  (engine/prompts.PrefixOnly).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Iterable, NamedTuple
 
 from adapters.lsp.postprocess import Cursor, detect_indent_unit
-from engine.prompts import Heal, fim_tokens, heal_last_token, leading_special
+from engine.prompts import Heal, completion_layout, heal_last_token, leading_special
 from mtplxd.requests import file_uri_path
 
 PREFIX_SHARE = 0.7
@@ -231,7 +234,7 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.fim = fim_tokens(tokenizer)  # ValueError: the model cannot fill in the middle
+        self.layout = completion_layout(tokenizer)  # the model's FIM tokens, or prefix-only
         added = _added_vocab(tokenizer)
         self.file_sep = added.get("<|file_sep|>")
         self.repo_name = added.get("<|repo_name|>")
@@ -254,13 +257,10 @@ class PromptBuilder:
 
     def build(self, snap: Snapshot, options: Options, path: str = "", context: Iterable[ContextDocument] = (),
               workspace_name: str = "") -> Prompt:
-        """The prompt's ids, its prefix's last token healed (engine/prompts.py). The other
-        files come before the current one in every layout, so the session bank keeps them
-        warm: in the repository layout (`<|file_sep|>`) as files before this one; in a
-        suffix-prefix-middle model's as plain documents ended by end-of-text, as it saw them
-        in training, before the FIM part; in prefix-suffix-middle, at the prefix's start."""
+        """The prompt's ids, its prefix's last token healed (engine/prompts.py)."""
         budget = options.context_tokens
-        suffix = self.suffix_text(snap, budget - int(budget * PREFIX_SHARE))
+        # prefix-only: no suffix in the prompt, so the prefix gets the whole budget
+        suffix = self.suffix_text(snap, budget - int(budget * PREFIX_SHARE)) if self.layout.reads_suffix else ""
         prefix = self.prefix_text(snap, budget - self.count_text(suffix))
         context = list(context)
         files: list[int] = []
@@ -269,14 +269,20 @@ class PromptBuilder:
             files, header = self.context_ids(context, path, snap.language_id, options.workspace_context_tokens,
                                              workspace_name)
         prefix_ids, heal = heal_last_token(self.tokenizer, self.encode(prefix))
-        suffix_ids = self.encode(suffix)
+        return Prompt(self.arrange(files, header, prefix_ids, self.encode(suffix)), heal, len(files))
+
+    def arrange(self, files: list[int], header: list[int], prefix_ids: list[int], suffix_ids: list[int]) -> list[int]:
+        """The prompt from its parts. The other files come before the current one in every
+        layout, so the session bank keeps them warm: in the repository layout (`<|file_sep|>`)
+        as files before this one; in a suffix-prefix-middle model's as plain documents ended
+        by end-of-text, as it saw them in training, before the FIM part; in prefix-suffix-middle,
+        at the prefix's start; in prefix-only (no FIM tokens), before the file's header, as
+        the same files and headers without FIM markers."""
         if self.file_sep is not None:
-            ids = [*self.bos, *files, *header, *self.fim.layout(prefix_ids, suffix_ids)]
-        elif self.fim.order == "spm":
-            ids = [*self.bos, *files, *self.fim.layout([*header, *prefix_ids], suffix_ids)]
-        else:
-            ids = [*self.bos, *self.fim.layout([*files, *header, *prefix_ids], suffix_ids)]
-        return Prompt(ids, heal, len(files))
+            return [*self.bos, *files, *header, *self.layout.layout(prefix_ids, suffix_ids)]
+        if self.layout.order == "spm":
+            return [*self.bos, *files, *self.layout.layout([*header, *prefix_ids], suffix_ids)]
+        return [*self.bos, *self.layout.layout([*files, *header, *prefix_ids], suffix_ids)]
 
     def count_text(self, text: str) -> int:
         return sum(self.count(line) for line in text.splitlines(True))
@@ -322,7 +328,7 @@ class PromptBuilder:
         if cached is not None:
             return cached
         repo = self.file_sep is not None
-        ended = not repo and self.fim.order == "spm" and self.eos is not None  # plain documents, as in training
+        ended = not repo and self.layout.order == "spm" and self.eos is not None  # plain documents, as in training
         sep = [self.file_sep] if self.file_sep is not None else []  # what starts each file (repository layout)
         files: list[int] = []
         if repo and self.repo_name is not None:

@@ -30,9 +30,13 @@ adapters/lsp/postprocess.py, the scheduler job in adapters/lsp/completions.py.
   (raised to interactive priority if it is still running then).
 - Cross-file context: chunks of the other open documents of the workspace, from a ring
   of the recently touched ones (adapters/lsp/context.py), before the current file.
+- A model without fill-in-the-middle tokens completes from the prefix alone
+  (adapters/lsp/documents.PromptBuilder); the stop rules still read the lines below
+  the cursor from the document.
 - Settings: initializationOptions and workspace/didChangeConfiguration (see
   adapters/lsp/documents.Options). Command `mtplxd.status` [uri] reports this
-  connection's counters, settings, folders, the document's workspace and the queue.
+  connection's counters, settings, folders, the prompt layout (fim-psm, fim-spm or
+  prefix-only), the document's workspace and the queue.
 """
 
 from __future__ import annotations
@@ -420,6 +424,7 @@ class CompletionServer(LanguageServer):
     # -- introspection ---------------------------------------------------------------
 
     def _status(self, *args: Any) -> dict[str, Any]:
+        model = self.runtime.model()
         report: dict[str, Any] = {
             "pid": os.getpid(),
             "connection": asdict(self.stats),
@@ -430,6 +435,7 @@ class CompletionServer(LanguageServer):
             "debounceMs": self._debounce_ms(),  # what an automatic request waits now
             "lastPlace": self.last_place,
             "lastPrompt": self.last_prompt,
+            "promptLayout": prompt_builder(model).layout.name if model is not None else None,  # None: loading
             "contextRing": len(self.ring),
             "workspaceFolders": sorted(filter(None, (file_uri_path(f) for f in self.workspace.folders))),
             "scheduler": asdict(self.runtime.stats()),

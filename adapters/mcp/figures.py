@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from adapters.mcp.schema import QueueFigures, StatusResult, WorkspaceFigures
-from engine.prompts import fim_tokens, has_chat_template
+from engine.prompts import completion_layout, has_chat_template
 from mtplxd.requests import Done, Warmed
 from mtplxd.runtime import ModelInfo, Runtime, Sessions
 
@@ -103,11 +103,7 @@ class Figures:
             card["load_error"] = self.runtime.load_error
         if info is None:
             return card
-        try:
-            fim_tokens(info.tokenizer)
-            fim = True
-        except ValueError:
-            fim = False
+        layout = completion_layout(info.tokenizer)
         card.update(
             path=str(info.path),
             family=info.family,
@@ -118,7 +114,8 @@ class Figures:
             vocab_size=info.vocab_size,
             sampler_defaults={"temperature": info.temperature, "top_p": info.top_p, "top_k": info.top_k},
             chat_template=has_chat_template(info.tokenizer),
-            fill_in_the_middle=fim,
+            fill_in_the_middle=layout.reads_suffix,
+            code_completion=layout.name,  # fim-psm, fim-spm, or prefix-only (no FIM tokens: the suffix is not used)
         )
         return card
 

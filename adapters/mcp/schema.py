@@ -86,6 +86,8 @@ class FimCompletion(Generation):
     line: int | None
     character: int | None
     language: str | None
+    suffix_used: bool = Field(description=(
+        "false: the model has no fill-in-the-middle tokens, so it completed from the text before the cursor alone"))
 
 
 class WarmSkip(BaseModel):

@@ -16,6 +16,7 @@ Tools (structured output: usage with cached tokens, decode tok/s, MTP figures):
     generate(prompt, system?, max_tokens?, temperature?, stop?, workspace?)
     chat(messages, max_tokens?, temperature?, workspace?)
     fim_complete(workspace, path?, line?, character?, prefix?, suffix?, language?, max_tokens?)
+        (a model without fill-in-the-middle tokens completes from the prefix alone)
     warm_workspace(workspace, paths?)
     status()
 

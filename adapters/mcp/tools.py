@@ -30,7 +30,9 @@ from adapters.mcp.schema import (
     WarmSkip, Workspace,
 )
 from mtplxd.runtime import ModelInfo
-from engine.prompts import Heal, chat_prompt_ids, completion_prompt_ids, has_chat_template, healed_fim_prompt_ids
+from engine.prompts import (
+    Heal, chat_prompt_ids, completion_layout, completion_prompt_ids, cursor_prompt_ids, has_chat_template,
+)
 from engine.sampler_settings import SamplerSettings
 from mtplxd.requests import Priority, TextRequest, WarmRequest
 from mtplxd.workspaces import warmup_prompt_ids
@@ -115,9 +117,11 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         max_tokens: MaxTokens = None,
     ) -> FimCompletion:
         """Fill in the middle: the code that belongs at a cursor, written by the model from its
-        fill-in-the-middle tokens (greedy). Either a file `path` in the workspace plus a cursor
-        (`line`, `character`, zero-based), or explicit `prefix` / `suffix`. Paths resolve inside
-        the workspace only: `..`, absolute paths elsewhere and symlinks leading out are refused."""
+        fill-in-the-middle tokens (greedy). A model without them continues the text before the
+        cursor alone (`suffix_used` false in the result). Either a file `path` in the workspace
+        plus a cursor (`line`, `character`, zero-based), or explicit `prefix` / `suffix`. Paths
+        resolve inside the workspace only: `..`, absolute paths elsewhere and symlinks leading
+        out are refused."""
         deadline = adapter.deadline()
         folder = adapter.workspaces.use(workspace, roots, required=True)
         before, after, shown = await _cursor_context(folder, path, line, character, prefix, suffix)
@@ -127,7 +131,8 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
                            heal=heal)
         return FimCompletion(**await adapter.run_text(ctx, request, info, deadline), path=shown,
                              line=line if shown else None, character=character if shown else None,
-                             language=language_of(shown, language))
+                             language=language_of(shown, language),
+                             suffix_used=completion_layout(info.tokenizer).reads_suffix)
 
     @server.tool(title="Warm a workspace", annotations=READ_ONLY_IDEMPOTENT)
     async def warm_workspace(
@@ -193,12 +198,12 @@ def _generate_ids(info: ModelInfo, prompt: str, system: str | None) -> list[int]
 
 
 def _fim_ids(info: ModelInfo, before: str, after: str, max_tokens: int | None) -> tuple[list[int], Heal | None]:
-    """The FIM prompt, the context around the cursor trimmed to fit the model, its
-    prefix's last token healed (engine/prompts.py)."""
+    """The FIM prompt (the prefix alone for a model without FIM tokens), the context around
+    the cursor trimmed to fit the model, its prefix's last token healed (engine/prompts.py)."""
     before, after = before[-FIM_PREFIX_CHARS:], after[:FIM_SUFFIX_CHARS]
     room = info.context_length - (max_tokens or min(DEFAULT_MAX_TOKENS, info.context_length // 4))
     while True:
-        ids, heal = _built(healed_fim_prompt_ids, info.tokenizer, before, after)  # no FIM tokens: a tool error
+        ids, heal = _built(cursor_prompt_ids, info.tokenizer, before, after)
         if len(ids) <= room or (not before and not after):
             return ids, heal
         before, after = before[len(before) // 2:], after[: len(after) // 2]
@@ -206,7 +211,8 @@ def _fim_ids(info: ModelInfo, before: str, after: str, max_tokens: int | None) -
 
 def _warm_ids(info: ModelInfo, text: str) -> list[int]:
     """A file's head as the workspace watcher warms it (mtplxd/workspaces.py): as a FIM
-    prefix, which fim_complete's prompts for the file begin with."""
+    prefix (the text alone for a model without FIM tokens), which fim_complete's prompts
+    for the file begin with."""
     return warmup_prompt_ids(info.tokenizer, text)[: min(WARM_MAX_TOKENS, info.context_length - 1)] if text else []
 
 

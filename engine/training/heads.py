@@ -3,7 +3,10 @@
 The trunk is loaded by the normal loader (`Engine.load`) and frozen; new
 MiMo-style heads (`engine.backends.mimo.MTPLayer`) learn by self-distillation:
 head k at position p is trained towards the trunk's own next-token
-distribution at position p+k+1, minimising KL(trunk || head).
+distribution at position p+k+1, minimising KL(trunk || head). The frozen trunk
+runs once over the corpus and its outputs are kept (engine/training/trunk_cache.py:
+hidden states and the top-k of each distribution over a draft vocabulary), so an
+epoch costs the heads alone: on a real trunk the trunk's forward was most of a step.
 
 Why KL to the full distribution rather than CE to the trunk's argmax: the
 verifier accepts a draft with probability min(1, p/q), so the acceptance rate
@@ -29,8 +32,8 @@ head k-1's output and token p+k+1), each over the whole window with a fresh
 head cache, as a prefill would. They go back under the family's own key names
 into the sidecar (engine/head_export.py, as `mtplxd convert` writes them); the
 trunk files are copied byte for byte without the old head tensors, config.json
-unchanged. MiMo's own heads take the MiMo path above (its unfused training
-attention is much faster to differentiate on the CPU).
+unchanged, the trunk running every step. MiMo's own heads take the MiMo path
+above, starting from their weights.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from engine.training.corpus import held_out_files, load_corpus, manifest
 from engine.training.data import Batches, build_stream
 from engine.training.full import eval_windows
 from engine.training.model import (
-    MTPModel, distill_loss, head_agreement, log_softmax, save_safetensors, write_json,
+    distill_loss, head_agreement, log_softmax, save_safetensors, write_json,
 )
 from engine.training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 from engine.training.trunk_cache import CachedHeads, TrunkOutputs, WindowBatches, draft_vocabulary, trunk_outputs
@@ -97,11 +100,10 @@ class HeadsSettings:
     # A checkpoint that has heads: distil them further, starting from their weights
     # (joint training leaves heads that agree with the trunk less than distilled ones).
     replace_heads: bool = False
-    # New heads: run the frozen trunk once over `windows` corpus windows and train on its
-    # cached outputs (engine/training/trunk_cache.py): the top_k of each next-token
-    # distribution, the head's softmax over a draft_vocab-token draft vocabulary.
-    # windows None: every window of the corpus; cached False: the trunk runs every step.
-    cached: bool = True
+    # New (MiMo-style) heads: run the frozen trunk once over `windows` corpus windows and
+    # train on its cached outputs (engine/training/trunk_cache.py): the top_k of each
+    # next-token distribution over a draft_vocab-token draft vocabulary.
+    # windows None: every window of the corpus.
     windows: int | None = None
     top_k: int = 32
     draft_vocab: int = 8192
@@ -298,7 +300,7 @@ class FamilyHeads(nn.Module):
     it (frozen); both are reached only through the backend's forward / head contract, so
     the heads train exactly as the generation loop runs them.
 
-    Same interface as MTPModel where the losses need one: trunk_forward, heads_forward,
+    The interface the losses need (as MTPModel's): trunk_forward, heads_forward,
     named_tensors, n_heads.
     """
 
@@ -476,10 +478,10 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     batches = Batches(stream, s.seq_len, s.batch, s.seed)
 
     mx.random.seed(s.seed)
-    if s.cached and not own:
+    if not own:
         return _train_cached(s, config, dtype, engine_, stream, held_windows(s, encoder, fim_rate, fim_order, eos),
                              corpus_info, resume, callback, say)
-    model = FamilyHeads(engine_.backend, report, src) if own else _mimo_heads(config, engine_, s.heads or 2)
+    model = FamilyHeads(engine_.backend, report, src)
     weights = (1.0,) * model.n_heads
 
     def loss(m, x: mx.array):
@@ -496,9 +498,8 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     if windows is not None:
         evaluate = lambda: evaluate_heads(model, windows)  # noqa: E731
 
-    what = (f"its own {model.n_heads} {report.family} head(s)" if own
-            else f"{model.n_heads} head(s) ({config.get('mtplxd_converted_from', 'mimo')} trunk)")
-    say(f"trunk: {src.name}, frozen; training {what} by self-distillation on {len(stream):,} tokens")
+    say(f"trunk: {src.name}, frozen; training its own {model.n_heads} {report.family} head(s) by "
+        f"self-distillation on {len(stream):,} tokens")
     job = trainer.Job(
         module=model,
         loss=loss,
@@ -550,6 +551,9 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, stre
         outputs.save(cache_file)
     held_outputs = trunk_outputs(trunk.model, lm_rows, np.array(held), s.top_k) if held is not None else None
     model = CachedHeads(mimo.ModelArgs.from_dict(config), s.heads or 2, embed, lm_rows)
+    for layer, old in zip(model.mtp_layers, engine_.backend.heads):  # --replace-heads: start from them
+        layer.update(old.parameters())
+        layer.set_dtype(mx.float32)
     mx.eval(model.parameters())
     say(f"training {model.n_heads} head(s) on {len(outputs)} cached windows")
 
@@ -597,19 +601,7 @@ def _dense(layer: nn.Module) -> mx.array:
     return layer.weight.astype(mx.float32)
 
 
-def _mimo_heads(config: dict, engine_, n_heads: int) -> MTPModel:
-    """New MiMo-style heads on the loaded trunk (a MiMo checkpoint's own, with
-    --replace-heads: the new ones start from them)."""
-    model = MTPModel(config, trunk=engine_.backend.trunk, n_heads=n_heads)
-    for layer, old in zip(model.mtp_layers, engine_.backend.heads):
-        layer.update(old.parameters())
-    for layer in model.mtp_layers:
-        layer.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
-
-
-def evaluate_heads(model: MTPModel | FamilyHeads, windows: mx.array, chunk: int = 4) -> dict:
+def evaluate_heads(model: FamilyHeads, windows: mx.array, chunk: int = 4) -> dict:
     """Per head: teacher-forced agreement with the trunk's greedy choice."""
     agree = []
     for i in range(0, windows.shape[0], chunk):

@@ -66,6 +66,7 @@ def trunk_outputs(hidden_of: Callable[[mx.array], mx.array], lm_rows: mx.array, 
     final-normed hidden (a prefill without cache); `lm_rows`: the LM head's rows of the
     draft vocabulary [V', D]."""
     S = windows.shape[1] - 1
+    top_k = min(top_k, lm_rows.shape[0])
     hidden, ids, logp = [], [], []
     started = time.perf_counter()
     for i in range(0, len(windows), chunk):

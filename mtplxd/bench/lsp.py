@@ -1,7 +1,7 @@
 """Editor completions, before and after: replay typing into `mtplxd lsp`, side by side.
 
     python -m mtplxd.bench.lsp                    # the embedded model, a scratch daemon
-    python -m mtplxd.bench.lsp --model PATH       # any checkpoint with FIM tokens
+    python -m mtplxd.bench.lsp --model PATH       # any checkpoint (prefix-only without FIM tokens)
     python -m mtplxd.bench.lsp --state-dir DIR    # a daemon already running there
     python -m mtplxd.bench.lsp --phases idle,loaded --streams 8   # also under 8 HTTP streams
 

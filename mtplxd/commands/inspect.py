@@ -62,7 +62,8 @@ def _inspect_gguf(path: str, as_json: bool) -> int:
         return _fail(str(e))
     heads = shipped_heads(plan.metadata)
     status = "supported" if heads else "ar-only"
-    report = {
+    lines = plan.describe(4, 64)
+    report: dict[str, object] = {
         "format": "gguf",
         "architecture": plan.architecture,
         "name": plan.metadata.get("general.name"),
@@ -72,14 +73,14 @@ def _inspect_gguf(path: str, as_json: bool) -> int:
         "reason": (f"mtplxd ships {heads.count} MTP heads for this model ({heads.name}); import attaches them"
                    if heads else f"no MTP heads in a GGUF file, and none shipped for this model: "
                    f"{plan.architecture} runs autoregressively"),
-        "import": plan.describe(4, 64),
+        "import": lines,
     }
     if as_json:
         print(json.dumps(report, indent=2))
     else:
         rows = [(k.replace("_", " "), str(report[k])) for k in ("format", "architecture", "name", "family",
                                                                 "mtp_heads", "status", "reason")]
-        rows += [("import", line) for line in report["import"]]
+        rows += [("import", line) for line in lines]
         print("\n".join(f"{name + ':':<14}{value}" for name, value in rows))
     return EXIT_CODES[status]
 

@@ -142,10 +142,11 @@ def _import_gguf(path: Path, dest: Path, args: argparse.Namespace, source: str, 
     only once the new one is complete."""
     import shutil
 
-    from engine.gguf_import import import_gguf
+    from engine.gguf_import import import_gguf, read_gguf
     from mtplxd.store.models import new_record, write_record
 
     spec = _spec(args)
+    read_gguf(path)  # a bad file is refused in one line, before any progress is printed
     print(f"importing {path.name}", file=sys.stderr)
     fresh = dest.with_name(f".{dest.name}.new") if dest.exists() else dest
     if fresh != dest:

@@ -124,8 +124,14 @@ def download(repo_id: str, revision: str | None) -> Path:
 def download_file(repo_id: str, filename: str, revision: str | None) -> Path:
     """One file of the repository (a GGUF), from the cache or downloaded into it."""
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
 
-    return Path(_call(hf_hub_download, repo_id, revision, filename=filename))
+    try:
+        return Path(_call(hf_hub_download, repo_id, revision, filename=filename))
+    except HubError as e:
+        if isinstance(e.__cause__, EntryNotFoundError):
+            raise HubError(f"{repo_id} has no file {filename}") from e
+        raise
 
 
 def _call(function, repo_id: str, revision: str | None, **options):

@@ -100,3 +100,22 @@ class RandomWeights:
 
     def like(self, shape: tuple[int, ...], scale: float = 0.1) -> np.ndarray:
         return self.rng.normal(0.0, scale, size=shape)
+
+
+def drop_fim_tokens(folder: Path) -> Path:
+    """Make a written checkpoint's tokenizer one without fill-in-the-middle tokens, as a
+    Llama-family model's (SmolLM2): the FIM tokens are renamed to reserved names and keep
+    their ids, so the vocabulary still fits the weights."""
+    renamed = {name: f"<|reserved_{i}|>" for i, name in enumerate(SPECIAL_TOKENS) if "fim" in name}
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    for token in data["added_tokens"]:
+        token["content"] = renamed.get(token["content"], token["content"])
+    data["model"]["vocab"] = {renamed.get(name, name): i for name, i in data["model"]["vocab"].items()}
+    path.write_text(json.dumps(data))
+    config_path = folder / "tokenizer_config.json"  # some transformers versions list them here too
+    config = json.loads(config_path.read_text())
+    for token in config.get("added_tokens_decoder", {}).values():
+        token["content"] = renamed.get(token["content"], token["content"])
+    config_path.write_text(json.dumps(config))
+    return folder
