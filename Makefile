@@ -47,7 +47,7 @@ start: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# Types of the daemon and the adapters (pyproject.toml [tool.mypy]); CI runs it.
+# Types of the daemon, the adapters and the engine (pyproject.toml [tool.mypy]); CI runs it.
 check: install
 	$(BIN)/mypy
 

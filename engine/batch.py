@@ -38,7 +38,7 @@ tests/test_batch.py checks and states.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -171,7 +171,8 @@ class DecodeBatch:
             if self.depth == 0:
                 return self._ar_step()
             results = self._mtp_cycle(exact=False)
-            return results if results is not None else self._mtp_cycle(exact=True)
+            # an exact cycle holds: it has no shortcut to check
+            return results if results is not None else cast("list[StepResult]", self._mtp_cycle(exact=True))
 
     def _ar_step(self) -> list[StepResult]:
         """`Generation._ar_step` for every row: one forward, one draw per group of rows
@@ -186,7 +187,7 @@ class DecodeBatch:
             (drawn,) = self._ranks.decide(_draw_rows(groups, last, keys, exact=True)[0])
         split, hosts = row_logits(last), self._host_rows(last)
         return [row.commit_drawn(token, split[i], None if hidden is None else hidden[i : i + 1], hosts[i])
-                for i, (row, token) in enumerate(zip(self.rows, drawn.tolist()))]
+                for i, (row, token) in enumerate(zip(self.rows, cast("list[int]", drawn.tolist())))]
 
     def _host_rows(self, logits: mx.array) -> list[Tensor | None]:
         """Each row's logits [1, V] from logits [B, V], copied to the host in one go
@@ -222,7 +223,7 @@ class DecodeBatch:
             self._undo(tape, lengths)
             self._keys = keys
             return None
-        accepted, nexts = n_accepted.tolist(), next_tokens.tolist()
+        accepted, nexts = cast("list[int]", n_accepted.tolist()), cast("list[int]", next_tokens.tolist())
         self._rewind(tape, [m + 1 for m in accepted])
         self._trim_heads(T, accepted, inputs)
         self._pending[0] = _Ragged(hidden, [m + 1 for m in accepted])  # head 0 reads the kept window next
@@ -239,7 +240,8 @@ class DecodeBatch:
         inputs: list[_Ragged] = []
         outputs: _Ragged | None = None
         for k, cache in enumerate(self._heads):
-            hidden_in = self._pending[0] if k == 0 else _joined(self._pending[k], outputs)
+            # head k > 0 reads the previous head's outputs (set by then)
+            hidden_in = self._pending[0] if k == 0 else _joined(self._pending[k], cast(_Ragged, outputs))
             inputs.append(hidden_in)
             tokens = self._head_tokens(k, T, drafts, hidden_in.counts)
             width = max(hidden_in.counts)
@@ -248,7 +250,8 @@ class DecodeBatch:
             outputs = _Ragged(out, hidden_in.counts)
         final = len(self._heads) - 1
         while len(drafts) < self.depth:  # reuse the last head recurrently
-            logits, out = self.backend.head(final, outputs.last(), drafts[-1][:, None], self._heads[final], last=True)
+            logits, out = self.backend.head(final, cast(_Ragged, outputs).last(), drafts[-1][:, None],
+                                            self._heads[final], last=True)
             self._add_drafts(logits[:, -1], groups, drafts, q, exact, checks)
             outputs = _Ragged(out, [1] * len(self.rows))
         return self._ranks.decide(mx.stack(drafts, axis=1))[0], q, inputs  # rank 0's (Generation._draft)
@@ -314,7 +317,7 @@ class DecodeBatch:
         row = self.rows[i]
         row._fed = T + m + 1
         row._log_hidden(hidden[i : i + 1, : m + 1])
-        accepted = drafts[i, :m].tolist()
+        accepted = cast("list[int]", drafts[i, :m].tolist())
         result = row._commit(accepted + [next_token])
         if len(row.tokens) < row._fed:  # a stop or the budget cut tokens the trunk was fed
             row._extra_fed = (row.tokens[: T + 1] + accepted)[len(row.tokens):]
@@ -344,6 +347,7 @@ class _Group:
         logits = logits.astype(mx.float32)
         if exact:
             return probabilities(logits, self.settings)
+        covered: mx.array | None
         if self.compiled:
             probs, covered = compiled_probabilities(self.settings)(logits)
         else:
@@ -376,7 +380,9 @@ def _draw_rows(groups: list[_Group], logits: mx.array, keys: mx.array,
     group's filtered distributions [n, V] (None when greedy), and the top-p shortcut
     checks to hold (unless `exact`)."""
     uniforms = None
-    parts, probs_of, checks = [], [], []
+    parts: list[mx.array] = []
+    probs_of: list[mx.array | None] = []
+    checks: list[mx.array] = []
     for group in groups:
         rows_logits = group.of(logits)
         if group.settings.greedy:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 
 class CheckpointError(Exception):
     """A checkpoint folder that cannot be read; str(e) is one line."""
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file that cannot be imported (engine/gguf_import.py); str(e) is one line."""
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -111,7 +115,7 @@ def load_weights(folder: Path) -> dict[str, Any]:
     weights: dict[str, Any] = {}
     for path in weight_files(folder):
         read_header(path)
-        weights.update(mx.load(str(path)))
+        weights.update(cast("dict[str, Any]", mx.load(str(path))))  # a .safetensors file: a dict
     return weights
 
 

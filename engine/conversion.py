@@ -157,7 +157,7 @@ def gigabytes(n: int) -> str:
 def estimate_output_bytes(src: Path, config: dict[str, Any], report: InspectReport, spec: QuantSpec) -> int:
     """An upper-leaning estimate of the converted folder's size, from headers alone."""
     n_layers = int(text_config(config).get("num_hidden_layers") or 0)
-    is_head = head_key_predicate(report.descriptor, n_layers)
+    is_head = head_key_predicate(report.supported_descriptor, n_layers)
     total = sum(f.stat().st_size for f in copied_files(src))
     for path in weight_files(src):
         for key, info in read_header(path).items():
@@ -179,11 +179,11 @@ def tensor_bytes(key: str, info: dict[str, Any], spec: QuantSpec | None) -> int:
     elements = math.prod(shape)
     # fp8 sources (DeepSeek-V3) are dequantized to bfloat16 by the loader.
     item = max(_DTYPE_BYTES.get(info["dtype"], 4), 2 if info["dtype"].startswith("F8") else 1)
-    quantizable = key.endswith("weight") and len(shape) >= 2 and spec is not None and spec.bits
-    if not quantizable or shape[-1] % spec.group_size:
+    bits = spec.bits if spec is not None and key.endswith("weight") and len(shape) >= 2 else None
+    if not bits or spec is None or shape[-1] % spec.group_size:  # not quantized
         return elements * item
     groups = elements // spec.group_size
-    return elements * spec.bits // 8 + 2 * groups * item  # packed weights + scales + biases
+    return elements * bits // 8 + 2 * groups * item  # packed weights + scales + biases
 
 
 def copied_files(src: Path) -> list[Path]:
@@ -216,7 +216,7 @@ def _write(src: Path, dst: Path, config: dict[str, Any], report: InspectReport, 
     n_layers = int(text_config(config).get("num_hidden_layers") or 0)
     # A backend whose heads span several checkpoint layers (Nemotron-H) names them itself.
     own_names = getattr(backend, "head_tensors", None)
-    heads = own_names() if own_names else head_tensors(report.descriptor, backend.heads, n_layers)
+    heads = own_names() if own_names else head_tensors(report.supported_descriptor, backend.heads, n_layers)
     out_config[CONVERSION_KEY] = {
         **origin,
         "mtp_heads": len(backend.heads),
@@ -224,7 +224,7 @@ def _write(src: Path, dst: Path, config: dict[str, Any], report: InspectReport, 
         "heads_dtype": str(next(iter(heads.values())).dtype).removeprefix("mlx.core."),
         # Qwen: trunk and head norms are stored with their +1 (mlx-lm's layout); see
         # engine/backends/qwen3_next.py head_needs_shift.
-        "norm_shift_applied": report.descriptor.norm_shift,
+        "norm_shift_applied": report.supported_descriptor.norm_shift,
     }
     dst.mkdir(parents=True)
     save_model(dst, backend.trunk)
@@ -236,7 +236,7 @@ def _write(src: Path, dst: Path, config: dict[str, Any], report: InspectReport, 
 
 
 def _load_lazily(src: Path, config: dict[str, Any], report: InspectReport):
-    module = importlib.import_module(report.descriptor.backend_module)
+    module = importlib.import_module(report.supported_descriptor.backend_module)
     try:
         with lazy_loading():
             return module.load(src, copy.deepcopy(config), load_weights(src))

@@ -13,7 +13,7 @@ import contextlib
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -71,7 +71,7 @@ class Engine:
         if hidden is None:  # AR-only backends return logits alone
             hidden = self.backend.trunk.model(tokens)
         pooled = hidden[0].astype(mx.float32).mean(axis=0)
-        return (pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)).tolist()
+        return cast("list[float]", (pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)).tolist())
 
 
 def default_dtype() -> mx.Dtype | None:

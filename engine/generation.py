@@ -29,7 +29,7 @@ so a restored generation samples with the same keys as a cold one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, cast
 
 import mlx.core as mx
 import numpy as np
@@ -76,13 +76,16 @@ class GenerationRequest:
             raise ValueError("first_tokens, when given, must allow at least one token")
 
 
+FinishReason = Literal["stop", "length"]
+
+
 @dataclass
 class StepResult:
     tokens: list[int]  # committed by this step (empty for a non-final prefill chunk)
     prefill_tokens: int = 0  # prompt tokens processed by this step
     drafted: int = 0
     accepted: list[bool] = field(default_factory=list)  # per depth, this cycle
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass
@@ -105,7 +108,7 @@ class Generation:
         self.cache = backend.make_cache()
         self.tokens: list[int] = list(request.prompt)  # committed sequence
         self.generated = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | Literal["cancelled"] | None = None
         self._fed = 0  # tokens fed to the trunk
         self._key = mx.random.key(request.seed)
         self._logits: mx.array | None = None  # trunk logits after the last fed token
@@ -183,14 +186,15 @@ class Generation:
             if end <= start:
                 return  # the later heads wait for this one's outputs
             tokens = mx.array(self.tokens[start + k + 1 : end + k + 1])[None]
-            _, outputs = self.backend.head(k, state.pending[:, : end - start], tokens, cache, last=True)
-            state.pending = state.pending[:, end - start :] if end - start < waiting else None
+            pending = cast(mx.array, state.pending)  # `waiting` > 0
+            _, outputs = self.backend.head(k, pending[:, : end - start], tokens, cache, last=True)
+            state.pending = pending[:, end - start :] if end - start < waiting else None
             if k + 1 < len(self._heads):
                 self._heads[k + 1].pending = _concat(self._heads[k + 1].pending, outputs)
 
     def _first_from_restored(self) -> StepResult:
         """The whole prompt came from a snapshot: sample from its stored logits."""
-        logits, self._first_logits = self._first_logits, None
+        logits, self._first_logits = cast(mx.array, self._first_logits), None  # step() saw them
         return self._commit([self._draw_token(logits)])
 
     # -- plain autoregressive decoding -----------------------------------------
@@ -246,14 +250,14 @@ class Generation:
                 cache.trim(cache.offset - offset)
             self._key = key
             return self._mtp_cycle(exact=True)
-        m = int(n_accepted.item())
+        m = int(cast(int, n_accepted.item()))
         self.backend.rewind(self.cache, tape, keep=m + 1)
         self._fed = T + m + 1
         self._trim_heads(T, m, offsets, head_inputs)
         self._queue_trunk_hidden(hidden[:, : m + 1])
         self._log_hidden(hidden[:, : m + 1])
-        accepted = drafts[:m].tolist()
-        result = self._commit(accepted + [int(next_token.item())])
+        accepted = cast("list[int]", drafts[:m].tolist())
+        result = self._commit(accepted + [int(cast(int, next_token.item()))])
         if len(self.tokens) < self._fed:  # a stop or the budget cut tokens the trunk was fed
             self._extra_fed = (self.tokens[: T + 1] + accepted)[len(self.tokens):]
         self._log_logits(logits[:, m])
@@ -268,7 +272,8 @@ class Generation:
         head_inputs: list[mx.array] = []
         outputs: mx.array | None = None  # previous head's hidden outputs
         for k, (state, cache) in enumerate(zip(self._heads, self.head_caches)):
-            hidden_in = state.pending if k == 0 else _concat(state.pending, outputs)
+            # every head has inputs in a cycle: the trunk's hidden, or the previous head's outputs
+            hidden_in = cast(mx.array, state.pending if k == 0 else _concat(state.pending, outputs))
             head_inputs.append(hidden_in)
             start = cache.offset
             # token_{p+k+1} for p in [start, T-1]: committed ones, then drafts.
@@ -279,7 +284,7 @@ class Generation:
         final = len(self._heads) - 1
         while len(drafts) < depth:  # reuse the last head recurrently
             logits, outputs = self.backend.head(
-                final, outputs[:, -1:], drafts[-1][None], self.head_caches[final], last=True
+                final, cast(mx.array, outputs)[:, -1:], drafts[-1][None], self.head_caches[final], last=True
             )
             self._add_draft(logits[:, -1], drafts, q, exact)
         # Several ranks: the trunk reads rank 0's drafts. Another rank's own drafts only
@@ -292,7 +297,7 @@ class Generation:
         q.append(probs)
 
     def _verify(self, logits: mx.array, q: list, drafts: mx.array, exact: bool,
-                key: mx.array) -> tuple[mx.array, mx.array]:
+                key: mx.array) -> tuple[mx.array, ...]:
         """The exact rule on the verify window's logits [1, K+1, V]; greedy decoding
         needs no distributions: it is the same rule on one-hot p and q."""
         decide = self.backend.ranks.decide
@@ -385,7 +390,7 @@ class Generation:
                 restore_head(self.head_caches[k], snap.heads[k], snap.heads[k].offset)
                 pending = snap.heads[k].pending
                 self._heads[k].pending = to_device(pending) if k > 0 and pending is not None else None
-            self._heads[0].pending = hidden[:, snap.heads[0].offset:]
+            self._heads[0].pending = cast(mx.array, hidden)[:, snap.heads[0].offset:]  # heads: hidden checked
         elif used:
             # One common offset c for every head: head k's entries below c read tokens
             # before `length`, heads k >= 1 then need no pending inputs, head 0's come
@@ -396,14 +401,14 @@ class Generation:
                 if c > 0:
                     restore_head(self.head_caches[k], snap.heads[k], c)
                 self._heads[k].pending = None
-            self._heads[0].pending = hidden[:, c:]
+            self._heads[0].pending = cast(mx.array, hidden)[:, c:]
         self.cache = cache
         self._fed = length
         self.reused = length
         if self._record and hidden is not None:
             self._hidden_log = [hidden]
         if length == len(prompt):
-            self._first_logits = to_device(snap.logits)
+            self._first_logits = to_device(cast(Tensor, snap.logits))  # checked above
             self._last_logits = snap.logits
 
     def _log_hidden(self, hidden: mx.array | None) -> None:
@@ -431,6 +436,7 @@ class Generation:
         logits = logits.astype(mx.float32)
         if exact:
             return probabilities(logits, self.request.sampler)
+        covered: mx.array | None
         if self.request.compiled:
             probs, covered = compiled_probabilities(self.request.sampler)(logits)
         else:
@@ -456,7 +462,7 @@ class Generation:
         (token,) = decide(self._draw(logits, key, exact=False)[0])
         if not self._covered(token):
             (token,) = decide(self._draw(logits, key, exact=True)[0])
-        return int(token.item())
+        return int(cast(int, token.item()))
 
     def _draw(self, logits: mx.array, key: mx.array, exact: bool) -> tuple[mx.array, mx.array | None]:
         """A token (int32 [1]) from the filtered distribution of logits [1, V], and that
@@ -472,23 +478,26 @@ class Generation:
         return sub
 
     def _commit(self, new_tokens: list[int]) -> StepResult:
-        """Append tokens, applying stop ids and the token budget."""
+        """Append tokens, applying stop ids and the token budget (on an unfinished
+        generation: step() and the batch see to it)."""
         self._sampled = True
         budget = self.request.max_tokens - self.generated
         kept: list[int] = []
+        reason: FinishReason | None = None
         for token in new_tokens[:budget]:
             if token in self.request.stop_token_ids:
-                self.finish_reason = "stop"
+                reason = "stop"
                 break
             kept.append(token)
         self.tokens.extend(kept)
         self.generated += len(kept)
-        if self.finish_reason is None and self.generated >= self.request.max_tokens:
-            self.finish_reason = "length"
-        return StepResult(kept, finish_reason=self.finish_reason)
+        if reason is None and self.generated >= self.request.max_tokens:
+            reason = "length"
+        self.finish_reason = reason
+        return StepResult(kept, finish_reason=reason)
 
 
-def _concat(a: mx.array | None, b: mx.array | None) -> mx.array:
+def _concat(a: mx.array | None, b: mx.array | None) -> mx.array | None:
     if a is None or a.shape[1] == 0:
         return b
     if b is None:

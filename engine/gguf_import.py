@@ -29,11 +29,11 @@ import math
 import os
 import shutil
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint import CheckpointError
+from engine.checkpoint import GGUFError
 
 MAGIC = b"GGUF"
 KEPT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # stored as they are (MLX reads the Q types)
@@ -68,10 +68,6 @@ _GEMMA_LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-class GGUFError(CheckpointError):
-    """A GGUF file that cannot be imported; str(e) is one line."""
-
-
 @dataclass(frozen=True)
 class TensorEntry:
     name: str  # the GGUF name, e.g. blk.0.attn_q.weight
@@ -88,6 +84,7 @@ class GGUFPlan:
     metadata: dict[str, Any]
     tensors: tuple[TensorEntry, ...]
     config: dict[str, Any] = field(default_factory=dict)
+    reader: Any = field(default=None, repr=False, compare=False)  # the gguf package's, memory-mapped
 
     @property
     def types(self) -> Counter:
@@ -136,7 +133,7 @@ def read_gguf(path: str | Path) -> GGUFPlan:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, IndexError, KeyError, OSError) as e:  # the reader's own errors on a damaged file
         raise GGUFError(f"{path}: truncated or corrupt GGUF file ({' '.join(str(e).split())})")
-    metadata = {key: _field_value(f) for key, f in reader.fields.items() if not key.startswith("GGUF.")}
+    metadata = {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
     tensors = tuple(
         TensorEntry(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape.tolist())))
         for t in reader.tensors
@@ -149,16 +146,10 @@ def read_gguf(path: str | Path) -> GGUFPlan:
     if refused:
         raise GGUFError(f"{path}: tensor type(s) {', '.join(refused)} are not supported "
                         f"(supported: {', '.join(KEPT_TYPES + REQUANTIZED_TYPES)})")
-    plan = GGUFPlan(path, architecture, metadata, tensors)
+    plan = GGUFPlan(path, architecture, metadata, tensors, reader=reader)
     config = gguf_config(plan)
     _check_shapes(plan, config)
-    return GGUFPlan(path, architecture, metadata, tensors, config)
-
-
-def _field_value(f: Any) -> Any:
-    # Token lists are 50k-250k strings: read only what the import needs in full.
-    value = f.contents()
-    return value
+    return replace(plan, config=config)
 
 
 def meta(plan: GGUFPlan, key: str, default: Any = None) -> Any:
@@ -338,10 +329,7 @@ def gguf_weights(plan: GGUFPlan, bits: int | None, group_size: int) -> tuple[dic
 def _raw_tensors(plan: GGUFPlan) -> dict[str, Any]:
     """The gguf package's view of the tensors (memory-mapped). Not mx.load: it refuses
     a whole file when one tensor has a type it cannot convert (Q5_K)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(plan.path))
-    return {t.name: t for t in reader.tensors}
+    return {t.name: t for t in plan.reader.tensors}
 
 
 def _tensor_arrays(t: TensorEntry, raw: dict, bits: int | None, group_size: int) -> tuple:
@@ -353,8 +341,9 @@ def _tensor_arrays(t: TensorEntry, raw: dict, bits: int | None, group_size: int)
     if t.type in ("Q8_0", "Q4_0", "Q4_1"):
         triple = native_triple(t.type, raw[t.name].data, t.shape)
         if bits is None:  # unpacked
-            w = mx.dequantize(*[a.astype(mx.float32) if a.dtype != mx.uint32 else a for a in triple],
-                              group_size=NATIVE_GROUP, bits=8 if t.type == "Q8_0" else 4)
+            packed, scales, biases = (a.astype(mx.float32) if a.dtype != mx.uint32 else a for a in triple)
+            w = mx.dequantize(packed, scales=scales, biases=biases, group_size=NATIVE_GROUP,
+                              bits=8 if t.type == "Q8_0" else 4)
             return (w.astype(mx.float16),)
         return triple
     if t.type in ("F32", "F16"):
@@ -468,9 +457,10 @@ class GGUFImport:
     heads_digest: str | None  # which ones
 
 
-def import_gguf(path: str | Path, out: str | Path, bits: int | None = 4, group_size: int = 64,
+def import_gguf(path: str | Path | GGUFPlan, out: str | Path, bits: int | None = 4, group_size: int = 64,
                 source: str | None = None, heads: bool = True) -> GGUFImport:
-    """Write the model folder `out` (which must not exist) from the GGUF file `path`.
+    """Write the model folder `out` (which must not exist) from the GGUF file `path` (or
+    its plan, already read).
     `bits` / `group_size`: what K-quant tensors are requantized to; bits None unpacks
     every quantized tensor to float16. `heads`: attach the MTP heads mtplxd ships for
     this model, if it has some."""
@@ -480,7 +470,7 @@ def import_gguf(path: str | Path, out: str | Path, bits: int | None = 4, group_s
     from engine.gguf_tokenizer import tokenizer_files
     from engine.shipped_heads import attach_heads, shipped_heads
 
-    plan = read_gguf(path)
+    plan = path if isinstance(path, GGUFPlan) else read_gguf(path)
     out = Path(out).expanduser().absolute()
     if out.exists():
         raise GGUFError(f"{out}: already exists; remove it or choose another name")

@@ -15,9 +15,12 @@ special tokens; user-defined ones (type 4) single plain tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.gguf_import import GGUFError, GGUFPlan
+from engine.checkpoint import GGUFError
+
+if TYPE_CHECKING:
+    from engine.gguf_import import GGUFPlan
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -39,7 +42,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 }
 
 
-def tokenizer_files(plan: GGUFPlan) -> tuple[str, dict[str, Any]]:
+def tokenizer_files(plan: "GGUFPlan") -> tuple[str, dict[str, Any]]:
     """(tokenizer.json text, tokenizer_config.json object)."""
     from tokenizers import Regex, pre_tokenizers, processors
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer

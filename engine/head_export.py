@@ -13,7 +13,7 @@ leave already-prepared tensors alone, so loading the sidecar again is exact.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,7 +43,7 @@ def head_tensors(d: BackendDescriptor, heads: list[nn.Module], n_layers: int,
     tensors: dict[str, mx.array] = {}
     for i, head in enumerate(heads):
         prefix = head_prefix(pattern, i, n_layers)
-        for name, value in tree_flatten(head.parameters()):
+        for name, value in cast("list[tuple[str, mx.array]]", tree_flatten(head.parameters())):
             if name in d.shared_parts:
                 tensors.setdefault(shared_root + name, value)
             else:

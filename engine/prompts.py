@@ -102,7 +102,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be an object")
-        role = _ROLE_ALIASES.get(message.get("role"), message.get("role"))
+        role: Any = message.get("role")
+        role = _ROLE_ALIASES.get(role, role)
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} or developer")
         try:
@@ -225,7 +226,8 @@ def _find_fim(tokenizer: Any) -> FimTokens | str:
     for vocab in (_added_vocab(tokenizer), _full_vocab(tokenizer)):
         for names in FIM_SCHEMES:
             if all(name in vocab for name in names):
-                return FimTokens(*(vocab[name] for name in names), order=_fim_order(tokenizer))
+                prefix, suffix, middle = (vocab[name] for name in names)
+                return FimTokens(prefix=prefix, suffix=suffix, middle=middle, order=_fim_order(tokenizer))
     return "this model's tokenizer has no fill-in-the-middle tokens, so `suffix` is not supported"
 
 

@@ -154,7 +154,7 @@ def _top_k_mask(probs: mx.array, k: int) -> mx.array:
     return above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
 
 
-def _top_p_cut(probs: mx.array, top_p: float, size: int, shortcut: bool) -> tuple[mx.array, mx.array | None]:
+def _top_p_cut(probs: mx.array, top_p: float | mx.array, size: int, shortcut: bool) -> tuple[mx.array, mx.array | None]:
     """([..., 1] the smallest probability top-p keeps, covered): top-p keeps
     `probs >= cut`.
 

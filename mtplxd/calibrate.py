@@ -172,8 +172,21 @@ class CalibrateJob:
 
 def calibration_prompt(engine: Engine, max_tokens: int = 512) -> tuple[int, ...]:
     """The opening of a held-out standard-library module (mtplxd bench's first prompt)."""
-    from mtplxd.bench.decode import held_out_prompts  # the bench module only when calibrating
-
     texts = held_out_prompts(1) or ["def main(argv):\n    "]
     ids = engine.tokenizer.encode(texts[0])
     return tuple(ids[-max_tokens:])
+
+
+def held_out_prompts(n: int, chars: int = 1200) -> list[str]:
+    """The opening of the first `def` in each held-out module (deterministic): the
+    prompts the daemon's calibration and `mtplxd bench` (mtplxd/bench/decode.py) decode."""
+    from engine.training.corpus import held_out_files
+
+    prompts = []
+    for doc in held_out_files():
+        start = doc.text.find("\ndef ")
+        if start >= 0:
+            prompts.append(doc.text[max(0, start - chars) : start + 1 + doc.text[start + 1 :].find("\n") + 1])
+        if len(prompts) == n:
+            break
+    return prompts

@@ -1,16 +1,12 @@
 """Finding and talking to the running daemon: the state dir's files and plain-urllib HTTP.
 
-Standard library only, so that `mtplxd status | stop | lsp | mcp` start fast.
-
-A daemon owns its state dir while it holds an exclusive flock on `daemon.pid` (the
-kernel drops the lock when the process dies, so a crash never leaves a live-looking
-pid file behind, and a recycled pid cannot be mistaken for the daemon). `daemon.json`
-says where it listens: {"host", "port", "pid", "version", "started_at"}.
+Standard library only, so that `mtplxd status | stop | lsp | mcp` start fast. The
+state dir's layout (daemon.pid and its lock, daemon.json, the log) is
+mtplxd/state_dir.py, which the daemon writes by; its names are re-exported here.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -23,41 +19,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-PID_FILE = "daemon.pid"
-INFO_FILE = "daemon.json"
-LOG_FILE = Path("logs") / "daemon.log"
-# `mtplxd start` exits with this (sysexits' EX_CANTCREAT) when the state dir cannot take
-# daemon.pid or daemon.json, a full disk most often: its log may not have room to say so.
-EXIT_STATE_DIR = 73
+from mtplxd.state_dir import (  # noqa: F401  (the state dir's names, for the client side)
+    EXIT_STATE_DIR, INFO_FILE, LOG_FILE, LSP_SOCKET, PID_FILE, base_url, connect_host, owner_pid, prepare_state_dir,
+)
 
 # Never route calls to the local daemon through an HTTP proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def owner_pid(state_dir: Path) -> int | None:
-    """The pid of the live daemon that owns `state_dir`, or None."""
-    try:
-        fd = os.open(Path(state_dir) / PID_FILE, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read_pid(fd)
-        return None  # nobody holds the lock: a stale file
-    finally:
-        os.close(fd)
-
-
-def _read_pid(fd: int) -> int:
-    # The daemon locks first and writes its pid just after: allow it that moment.
-    for _ in range(100):
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        if text.isdigit():
-            return int(text)
-        time.sleep(0.01)
-    return -1  # locked by something that never wrote a pid: still "running"
 
 
 def read_info(state_dir: Path) -> dict[str, Any] | None:
@@ -76,15 +43,6 @@ def read_address(state_dir: Path) -> tuple[str, int] | None:
     """(host, port) to connect to the running daemon, or None."""
     info = read_info(state_dir)
     return (connect_host(info["host"]), int(info["port"])) if info else None
-
-
-def connect_host(host: str) -> str:
-    """Where a local client connects when the daemon listens on a wildcard address."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
-def base_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def daemon_url(state_dir: Path) -> str | None:
@@ -183,13 +141,6 @@ def stop(state_dir: Path, timeout: float = 30.0) -> tuple[int, str]:
         time.sleep(0.05)
     remove_stale_files(state_dir)
     return 0, f"stopped mtplxd (pid {pid})"
-
-
-def prepare_state_dir(state_dir: Path) -> None:
-    """Create the state dir and logs/ private to the user (chmod: they may predate us)."""
-    for folder in (Path(state_dir), Path(state_dir) / LOG_FILE.parent):
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(folder, 0o700)
 
 
 def spawn(

@@ -10,7 +10,7 @@ fails. SIGINT/SIGTERM stop the scheduler first (in-flight streams get a final
 
 A full disk. The daemon cannot run without daemon.pid (its lock, and the pid that
 `mtplxd stop` signals) and daemon.json (where clients find it): when either cannot be
-written it exits with one line and client.EXIT_STATE_DIR. Everything else carries on:
+written it exits with one line and EXIT_STATE_DIR (mtplxd/state_dir.py). Everything else carries on:
 the session bank stays in RAM (mtplxd/workspaces.py open_bank), log records that cannot
 be written are dropped (LogFile), and /health lists each such condition in "warnings".
 """
@@ -30,16 +30,16 @@ import time
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 import anyio
 import uvicorn
 
-from engine.profiles import CalibrationStore
-from mtplxd import client
-from mtplxd.client import prepare_state_dir
-from mtplxd.config import Settings
+from engine.calibration_store import CalibrationStore
+from mtplxd import state_dir as layout
 from mtplxd.calibrate import Calibrated, CalibrateRequest, calibration_prompt
+from mtplxd.config import Settings
+from mtplxd.loader import load_model
 from mtplxd.requests import Failed
 from mtplxd.runtime import Runtime
 from mtplxd.ranks.world import World, local_world, start_followers, stop_followers
@@ -78,10 +78,10 @@ def run(settings: Settings, log_to_stderr: bool = True, world: World | None = No
     """Blocking entry point of `mtplxd start` (foreground). Ends the process. `world`:
     rank 0 of ranks `mlx.launch` started (`settings.ranks` starts them here instead)."""
     try:
-        prepare_state_dir(settings.state_dir)
+        layout.prepare_state_dir(settings.state_dir)
     except OSError as e:  # no logging yet: it lives in the state dir
         print(f"mtplxd: {StateDirError(settings.state_dir, e)}", file=sys.stderr)
-        _exit(client.EXIT_STATE_DIR)
+        _exit(layout.EXIT_STATE_DIR)
     warnings: list[str] = []  # one-line conditions /health reports (the log file, here)
     setup_logging(settings, log_to_stderr, warnings)
     code = 0
@@ -89,7 +89,7 @@ def run(settings: Settings, log_to_stderr: bool = True, world: World | None = No
         anyio.run(Daemon(settings, warnings=warnings, world=world).serve)
     except StateDirError as e:
         log.error("%s", e)
-        code = client.EXIT_STATE_DIR
+        code = layout.EXIT_STATE_DIR
     except (AlreadyRunning, ServerFailed) as e:
         log.error("%s", e)
         code = 1
@@ -154,15 +154,15 @@ class Daemon:
     async def serve(self) -> None:
         state_dir = self.settings.state_dir
         try:
-            prepare_state_dir(state_dir)
+            layout.prepare_state_dir(state_dir)
         except OSError as e:
             raise StateDirError(state_dir, e) from None
-        with PidLock(state_dir / client.PID_FILE):
+        with PidLock(state_dir / layout.PID_FILE):
             try:
                 self._start_ranks()
                 await self._serve_locked()
             finally:
-                (state_dir / client.INFO_FILE).unlink(missing_ok=True)
+                (state_dir / layout.INFO_FILE).unlink(missing_ok=True)
                 if self.followers:
                     stop_followers(self.followers)
         if self.failure is not None:
@@ -310,14 +310,14 @@ class Daemon:
             "version": _version(),
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        path = self.settings.state_dir / client.INFO_FILE
+        path = self.settings.state_dir / layout.INFO_FILE
         try:
             write_private(path, json.dumps(info, indent=2) + "\n")
         except OSError as e:  # clients could not find us: stop rather than serve unseen
             self.failure = StateDirError(path, e)
             self.shutdown()
             return
-        log.info("listening on %s", client.base_url(client.connect_host(self.settings.host), self.port))
+        log.info("listening on %s", layout.base_url(layout.connect_host(self.settings.host), self.port))
 
     async def _watch_signals(self) -> None:
         try:
@@ -342,18 +342,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-def load_model(path: Path, group: Any = None) -> Engine:
-    """Runs on the scheduler's worker thread (a follower's main thread); `group`:
-    the ranks to split the model over (mtplxd/ranks/)."""
-    import engine  # noqa: F401  (sets up BLAS before mlx.core loads)
-    from engine.engine import Engine
-    from mtplxd.store.models import touch_last_used
-
-    loaded = Engine.load(path, group=group)
-    touch_last_used(loaded.path)  # `mtplxd models` shows when each model was last used
-    return loaded
-
-
 # -- the state dir -----------------------------------------------------------------
 
 
@@ -372,7 +360,7 @@ def write_private(path: Path, text: str) -> None:
 
 
 class PidLock:
-    """Holds daemon.pid, locked, for the daemon's lifetime (see mtplxd.client)."""
+    """Holds daemon.pid, locked, for the daemon's lifetime (see mtplxd/state_dir.py)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -394,7 +382,7 @@ class PidLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                pid = client.owner_pid(self.path.parent)
+                pid = layout.owner_pid(self.path.parent)
                 raise AlreadyRunning(
                     f"mtplxd is already running (pid {pid}) with state dir {self.path.parent}; "
                     f"stop it first: mtplxd stop --state-dir {self.path.parent}"
@@ -429,7 +417,7 @@ def _same_file(fd: int, path: Path) -> bool:
 def setup_logging(settings: Settings, to_stderr: bool, warnings: list[str] | None = None) -> None:
     """Everything (ours, uvicorn's, the engine's) to logs/daemon.log, and to stderr
     in the foreground. `warnings` gets a line while the log file cannot be written."""
-    path = settings.state_dir / client.LOG_FILE
+    path = settings.state_dir / layout.LOG_FILE
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
         os.chmod(path, 0o600)  # requests' paths and errors land here

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlparse
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from engine.prompts import Heal
+from engine.prompts import Heal, completion_layout, cursor_prompt_ids
 from engine.sampler_settings import SamplerSettings
 
 
@@ -54,6 +54,18 @@ class WarmRequest:
     workspace: str | None = None
     priority: Priority = Priority.BACKGROUND
     label: str = ""  # what is being warmed (a file path), for logs
+
+
+def warmup_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """What completion prompts at a cursor in this file share up to it, when no other file
+    comes first (an editor's with no other file of the workspace open, fim_complete's, a
+    /v1/completions with a suffix): the BOS, the FIM prefix marker and the text; the BOS
+    and the text for a model without FIM tokens (prefix-only). A model trained
+    suffix-prefix-middle reads the suffix first, so only prompts with nothing after the
+    cursor share the text: those are what it warms. The prompt of a file's WarmRequest,
+    whether the daemon's watcher (mtplxd/workspaces.py) or an adapter (MCP `warm`) asks."""
+    ids, _ = cursor_prompt_ids(tokenizer, text, "", heal=False)
+    return ids[:-2] if completion_layout(tokenizer).order == "psm" else ids  # PSM: drop the suffix and middle markers
 
 
 @dataclass(frozen=True)

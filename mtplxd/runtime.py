@@ -6,8 +6,9 @@
 An adapter (adapters/http, adapters/mcp, adapters/lsp) submits typed requests
 (mtplxd/jobs.py) and reads their events; it reads the daemon's state and the loaded
 model's facts (`ModelInfo`), the decoding plan, warnings and memory; it sees the session
-bank and the workspace registry; and it listens to every job's events. It never holds
-the scheduler, the engine or an MLX array: what it may know is what this class offers.
+bank (`Sessions`) and the workspace registry (`Workspaces`) through views of what it may
+read and do; and it listens to every job's events. It never holds the scheduler, the
+engine, the bank or an MLX array: what it may know is what this module offers.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Runtime:
         self._scheduler = scheduler
         self._settings = settings
         self._workspaces = workspaces
+        self._workspace_view = Workspaces(workspaces) if workspaces is not None else None
         self._warnings = warnings if warnings is not None else []
         self._listeners: list[Listener] = []
         self._model: ModelInfo | None = None
@@ -201,8 +203,9 @@ class Runtime:
         return Sessions(bank) if bank is not None else None
 
     @property
-    def workspaces(self) -> WorkspaceRegistry | None:
-        return self._workspaces
+    def workspaces(self) -> Workspaces | None:
+        """The workspace registry's view; None when the daemon runs without one (tests)."""
+        return self._workspace_view
 
 
 class Sessions:
@@ -227,3 +230,36 @@ class Sessions:
     def clear(self, workspace: str | None) -> int:
         """Drop `workspace`'s entries in RAM and on disk; how many. Blocking, like `workspaces`."""
         return self._bank.clear(workspace)
+
+
+class Workspaces:
+    """What the adapters see of the workspace registry (mtplxd/workspaces.py): the
+    folders it watches, and the folders editors opened over LSP (noted by the LSP
+    adapter, read by the MCP one). Registering a workspace happens on `Runtime.submit`."""
+
+    def __init__(self, registry: WorkspaceRegistry):
+        self._registry = registry
+
+    def watched(self) -> list[str]:
+        return self._registry.watched()
+
+    def open_in_editor(self, folder: str) -> None:
+        """Note a folder an editor opened (its root or a workspace folder)."""
+        self._registry.open_in_editor(folder)
+
+    def editor_folders(self) -> list[str]:
+        """The folders editors opened during this daemon's life, most recent last."""
+        return self._registry.editor_folders()
+
+    # Warm-ups of changed files, counted since the daemon started.
+    @property
+    def warmups_started(self) -> int:
+        return self._registry.warmups_started
+
+    @property
+    def warmups_done(self) -> int:
+        return self._registry.warmups_done
+
+    @property
+    def warmups_failed(self) -> int:
+        return self._registry.warmups_failed

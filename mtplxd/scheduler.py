@@ -44,11 +44,10 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.batch import DecodeBatch, batchable, depth_of
+from engine.calibration_store import CalibrationStore
 from engine.checkpoint import CheckpointError, read_config
 from engine.generation import Generation
-from engine.profiles import (
-    Calibration, CalibrationStore, DecodePlan, DecodePlanner, auto_profile, get_profile,
-)
+from engine.profiles import Calibration, DecodePlan, DecodePlanner, auto_profile, get_profile
 from mtplxd.calibrate import CalibrateJob, CalibrateRequest
 from mtplxd.jobs import EmbedJob, TextJob, WarmJob, attach_bank, start_job
 from mtplxd.ranks.channel import Close, Join, Leave, Start, Step, StepBatch, row_check

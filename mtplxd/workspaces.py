@@ -26,8 +26,7 @@ import anyio
 import anyio.to_thread
 from watchfiles import Change, DefaultFilter, awatch
 
-from engine.prompts import completion_layout, cursor_prompt_ids
-from mtplxd.requests import Failed, WarmRequest, Warmed, workspace_key
+from mtplxd.requests import Failed, WarmRequest, Warmed, warmup_prompt_ids, workspace_key
 
 log = logging.getLogger("mtplxd.workspaces")
 logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every batch of changes at INFO
@@ -40,17 +39,6 @@ SOURCE_SUFFIXES = frozenset(
 MAX_FILE_BYTES = 512 * 1024  # larger files are not warmed
 MIN_WARM_TOKENS = 16
 WATCH_TIMEOUT_MS = 2000  # the watcher wakes this often to see whether its folder still exists
-
-
-def warmup_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """What completion prompts at a cursor in this file share up to it, when no other file
-    comes first (an editor's with no other file of the workspace open, fim_complete's, a
-    /v1/completions with a suffix): the BOS, the FIM prefix marker and the text; the BOS
-    and the text for a model without FIM tokens (prefix-only). A model trained
-    suffix-prefix-middle reads the suffix first, so only prompts with nothing after the
-    cursor share the text: those are what it warms."""
-    ids, _ = cursor_prompt_ids(tokenizer, text, "", heal=False)
-    return ids[:-2] if completion_layout(tokenizer).order == "psm" else ids  # PSM: drop the suffix and middle markers
 
 
 class SourceFilter(DefaultFilter):

@@ -1,5 +1,5 @@
-"""Profiles and the measured depth choice (engine/profiles.py), through the engine,
-`mtplxd bench` and the daemon."""
+"""Profiles and the measured depth choice (engine/profiles.py, stored by
+engine/calibration_store.py), through the engine, `mtplxd bench` and the daemon."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from engine import profiles
+from engine import calibration_store
+from engine.calibration_store import CalibrationStore
 from engine.engine import Engine
-from engine.profiles import (
-    PROFILES, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
-)
+from engine.profiles import PROFILES, Calibration, DecodePlanner, auto_profile, get_profile
 from engine.sampling import SamplerSettings
 from engine.speculative import compiled_sample, compiled_verify, sample, verify
 from mtplxd.bench import cycle as bench_cycle
@@ -114,7 +113,7 @@ def test_a_measurement_of_other_engine_code_is_measured_again(tmp_path, mimo_fol
     store.put(mimo_folder, Calibration({"t0": {1: 1.25}}, measured_at=1.0, detail="old engine"))
     other_model = write("mimo", tmp_path / "other", mtp_heads=2, seed=5)
     store.put(other_model, Calibration({"t0": {1: 0.9}}, measured_at=1.0, detail="other model"))
-    monkeypatch.setattr(profiles, "engine_id", lambda: "a-later-engine")
+    monkeypatch.setattr(calibration_store, "engine_id", lambda: "a-later-engine")
     assert store.get(mimo_folder) is None
     new = Calibration({"t0": {1: 1.5}}, measured_at=2.0, detail="new engine")
     store.put(mimo_folder, new)
@@ -126,19 +125,19 @@ def test_a_measurement_of_other_engine_code_is_measured_again(tmp_path, mimo_fol
 
 def test_engine_id_follows_the_engine_sources(tmp_path, monkeypatch):
     """The same sources give the same id wherever they lie; one changed line, another."""
-    real = profiles.engine_id()
-    source = Path(profiles.__file__).parent
+    real = calibration_store.engine_id()
+    source = Path(calibration_store.__file__).parent
     copy = tmp_path / "engine"
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
-    monkeypatch.setattr(profiles, "__file__", str(copy / "profiles.py"))
-    profiles.engine_id.cache_clear()
-    assert profiles.engine_id() == real
+    monkeypatch.setattr(calibration_store, "__file__", str(copy / "calibration_store.py"))
+    calibration_store.engine_id.cache_clear()
+    assert calibration_store.engine_id() == real
     shim = copy / "native" / "cblas_shim.c"
     shim.write_text(shim.read_text() + "\n/* a change */\n")
-    profiles.engine_id.cache_clear()
-    assert profiles.engine_id() != real
+    calibration_store.engine_id.cache_clear()
+    assert calibration_store.engine_id() != real
     monkeypatch.undo()
-    profiles.engine_id.cache_clear()
+    calibration_store.engine_id.cache_clear()
 
 
 # -- measured by the real bench ----------------------------------------------------------

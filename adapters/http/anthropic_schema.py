@@ -26,10 +26,10 @@ from typing import Any
 
 from adapters.common.chat_turn import ToolSpec, render_chat
 from adapters.common.errors import ApiError, bad
+from adapters.common.tool_definitions import ToolFields, named_choice, parse_tools
 from adapters.http.openai_schema import (
     DEFAULT_MODEL_ALIAS, TextParams, decode_extensions, get_bool, get_float, get_int, get_str,
 )
-from adapters.http.openai_tools import check_function, named_choice, unique
 from engine.sampler_settings import SamplerSettings
 from mtplxd.requests import Priority, TextRequest
 from mtplxd.runtime import ModelInfo
@@ -215,7 +215,7 @@ def _unsupported(kind: Any, where: str) -> str:
 
 
 def tool_spec(body: dict) -> ToolSpec:
-    tools = _tools(body.get("tools"))
+    tools = parse_tools(body.get("tools"), _read_tool)
     choice = body.get("tool_choice")
     if choice is None:
         return ToolSpec(tools, "auto" if tools else "none")
@@ -232,22 +232,16 @@ def tool_spec(body: dict) -> ToolSpec:
     return ToolSpec(tools, mode, name, parallel)
 
 
-def _tools(value: Any) -> tuple[dict, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise bad("`tools` must be a list", "tools")
-    tools = []
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict):
-            raise bad(f"`tools[{i}]` must be an object", "tools")
-        if tool.get("type", "custom") != "custom":
-            raise bad(f"`tools[{i}]`: server tools ({tool.get('type')!r}) are not available here; "
-                      "only client tools with an `input_schema`", "tools")
-        if not isinstance(tool.get("input_schema"), dict):
-            raise bad(f"`tools[{i}].input_schema` must be a JSON Schema object", "tools")
-        tools.append(check_function(tool.get("name"), tool.get("description"), tool["input_schema"], f"tools[{i}]"))
-    return unique(tools, "tools")
+def _read_tool(tool: Any, where: str) -> ToolFields:
+    """{"type"?: "custom", "name", "description"?, "input_schema"}: client tools only."""
+    if not isinstance(tool, dict):
+        raise bad(f"`{where}` must be an object", "tools")
+    if tool.get("type", "custom") != "custom":
+        raise bad(f"`{where}`: server tools ({tool.get('type')!r}) are not available here; "
+                  "only client tools with an `input_schema`", "tools")
+    if not isinstance(tool.get("input_schema"), dict):
+        raise bad(f"`{where}.input_schema` must be a JSON Schema object", "tools")
+    return ToolFields(tool.get("name"), tool.get("description"), tool["input_schema"], where)
 
 
 def _thinking(value: Any, max_tokens: int | None) -> tuple[str, bool]:

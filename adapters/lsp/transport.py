@@ -30,7 +30,7 @@ from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
 from adapters.lsp.server import CompletionServer
 from mtplxd.config import Settings
 from mtplxd.runtime import Runtime
-from mtplxd.shims.lsp_bridge import LSP_SOCKET
+from mtplxd.state_dir import LSP_SOCKET
 
 log = logging.getLogger("mtplxd.lsp")
 

@@ -11,6 +11,7 @@ argument types and outputs from adapters/mcp/schema.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -34,8 +35,7 @@ from engine.prompts import (
     Heal, chat_prompt_ids, completion_layout, completion_prompt_ids, cursor_prompt_ids, has_chat_template,
 )
 from engine.sampler_settings import SamplerSettings
-from mtplxd.requests import Priority, TextRequest, WarmRequest
-from mtplxd.workspaces import warmup_prompt_ids
+from mtplxd.requests import Priority, TextRequest, WarmRequest, warmup_prompt_ids
 
 if TYPE_CHECKING:
     from adapters.mcp.server import McpAdapter
@@ -124,13 +124,14 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         out are refused."""
         deadline = adapter.deadline()
         folder = adapter.workspaces.use(workspace, roots, required=True)
-        before, after, shown = await _cursor_context(folder, path, line, character, prefix, suffix)
+        cursor = Cursor(path=path, line=line, character=character, prefix=prefix, suffix=suffix)
+        before, after, shown = await _cursor_context(folder, cursor)
         info = await adapter.ready(ctx, deadline)
         ids, heal = _fim_ids(info, before, after, max_tokens)
         request = _request(info, ids, max_tokens, SamplerSettings(temperature=0.0), folder.id, continuation=True,
                            heal=heal)
         return FimCompletion(**await adapter.run_text(ctx, request, info, deadline), path=shown,
-                             line=line if shown else None, character=character if shown else None,
+                             line=cursor.line if shown else None, character=cursor.character if shown else None,
                              language=language_of(shown, language),
                              suffix_used=completion_layout(info.tokenizer).reads_suffix)
 
@@ -238,10 +239,22 @@ def _request(info: ModelInfo, ids: list[int], max_tokens: int | None, sampler: S
 # -- files -------------------------------------------------------------------------------
 
 
-async def _cursor_context(workspace: Folder, path: str | None, line: int | None, character: int | None,
-                          prefix: str | None, suffix: str | None) -> tuple[str, str, str | None]:
+@dataclass(frozen=True)
+class Cursor:
+    """Where fim_complete writes, as its caller gave it: a file `path` with a cursor (`line`,
+    `character`, zero-based), or an explicit `prefix` / `suffix`. Checked by _cursor_context."""
+
+    path: str | None = None
+    line: int | None = None
+    character: int | None = None
+    prefix: str | None = None
+    suffix: str | None = None
+
+
+async def _cursor_context(folder: Folder, cursor: Cursor) -> tuple[str, str, str | None]:
     """(text before the cursor, text after it, the file relative to the workspace or None):
     from a file and a cursor, or from an explicit prefix / suffix."""
+    path, line, character, prefix, suffix = cursor.path, cursor.line, cursor.character, cursor.prefix, cursor.suffix
     if path is None:
         if line is not None or character is not None:
             raise ToolError("`line` and `character` go with `path`")
@@ -252,7 +265,7 @@ async def _cursor_context(workspace: Folder, path: str | None, line: int | None,
         raise ToolError("give either `path` with a cursor, or `prefix` / `suffix`, not both")
     if line is None or character is None:
         raise ToolError("with `path`, give the cursor too: `line` and `character` (zero-based)")
-    real, shown = resolve_path(workspace, path)
+    real, shown = resolve_path(folder, path)
     text = await anyio.to_thread.run_sync(read_text, real, shown)
     return *split_at_cursor(text, line, character, shown), shown
 

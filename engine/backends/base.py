@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from engine.checkpoint import CheckpointError
 from engine.distributed import Ranks, shard_trunk
@@ -107,9 +107,10 @@ class Backend:
         raise NotImplementedError
 
     def head(
-        self, k: int, hidden: mx.array, tokens: mx.array, cache: KVCache, last: bool = False
+        self, k: int, hidden: mx.array, tokens: mx.array, cache: KVCache | BatchKVCache, last: bool = False
     ) -> tuple[mx.array, mx.array]:
-        """Run head k. Returns (logits, hidden for head k+1); logits [1, 1, V] when `last`."""
+        """Run head k. Returns (logits, hidden for head k+1); logits [1, 1, V] when `last`
+        (rows of a batch, engine/batch.py: [B, 1, V], with a BatchKVCache)."""
         raise NotImplementedError
 
     def replay(self, layer: int, mixer_input: mx.array, cache: ArraysCache) -> None:
@@ -131,7 +132,7 @@ class Backend:
                 c.trim(drop)
 
 
-def build_trunk(model_class: type, args_class: type, config: dict, weights: dict) -> nn.Module:
+def build_trunk(model_class: type, args_class: Any, config: dict, weights: dict) -> nn.Module:
     """Instantiate mlx-lm's model for the trunk and load its (MTP-free) weights,
     quantized layers included (engine/quantized.py)."""
     model = model_class(args_class.from_dict(config))

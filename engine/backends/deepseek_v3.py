@@ -48,7 +48,7 @@ class MTPLayer(deepseek_v3.DeepseekV3DecoderLayer):
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
         self.shared_head = SharedHead(d, eps)
 
-    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:  # type: ignore[override]
         x = mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1)
         x = self.eh_proj(x)
         x = super().__call__(x, _mask(x, cache), cache)

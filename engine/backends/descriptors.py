@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, cast
 
 from engine.checkpoint import CheckpointError, read_config, text_config, weight_keys
 
@@ -226,6 +226,11 @@ class InspectReport:
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("family", "mtp_heads", "depth_max", "status", "reason")}
 
+    @property
+    def supported_descriptor(self) -> BackendDescriptor:
+        """The family's descriptor, for a report whose status is "supported" (which has one)."""
+        return cast(BackendDescriptor, self.descriptor)
+
 
 def find_descriptor(config: dict[str, Any]) -> BackendDescriptor | None:
     """The MTP family of a config: its model_type, the nested text_config's,
@@ -272,10 +277,11 @@ def _mlx_lm_dir() -> Path | None:
 def _mlx_lm_remapping() -> tuple[dict[str, str], dict[tuple[str, str], str]]:
     """mlx_lm.utils.MODEL_REMAPPING and MODEL_ARCHITECTURE_REMAPPING."""
     tables: dict[str, Any] = {"MODEL_REMAPPING": {}, "MODEL_ARCHITECTURE_REMAPPING": {}}
-    try:  # TypeError: no mlx_lm installed; ValueError: a table is no longer a literal
-        for node in ast.parse((_mlx_lm_dir() / "utils.py").read_text()).body:
+    folder = _mlx_lm_dir()  # None: no mlx_lm installed
+    try:  # ValueError: a table is no longer a literal
+        for node in ast.parse((folder / "utils.py").read_text()).body if folder is not None else ():
             name = getattr(node.targets[0], "id", None) if isinstance(node, ast.Assign) else None
-            if name in tables:
+            if isinstance(node, ast.Assign) and name in tables:
                 tables[name] = ast.literal_eval(node.value)
     except (OSError, SyntaxError, TypeError, ValueError):
         pass
@@ -343,8 +349,13 @@ class _Heads:
     shared: set[str]  # keys under root outside layers (relative)
 
 
+def _slot(pattern: str) -> re.Match[str]:
+    """The layer-number slot of a head key pattern (every pattern has one)."""
+    return cast(re.Match[str], _SLOT.search(pattern))
+
+
 def _scan(pattern: str, n_layers: int, keys: Collection[str], with_shared: bool) -> _Heads:
-    slot = _SLOT.search(pattern)
+    slot = _slot(pattern)
     before, after, offset = pattern[: slot.start()], pattern[slot.end():], slot.group(1) is not None
     regex = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
     shown = _SLOT.sub("{%d+i}" % n_layers if offset else "{i}", pattern)
@@ -478,7 +489,7 @@ def head_key_predicate(d: BackendDescriptor, n_layers: int) -> Callable[[str], b
     for Qwen, the parts shared beside them)."""
     rules = []
     for pattern in d.head_key_patterns:
-        slot = _SLOT.search(pattern)
+        slot = _slot(pattern)
         before, after = pattern[: slot.start()], pattern[slot.end():]
         regex = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
         first = n_layers if slot.group(1) else 0  # appended layers count after the trunk's

@@ -40,7 +40,7 @@ class MTPLayer(glm4_moe.DecoderLayer):
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
         self.shared_head = SharedHead(d, eps)
 
-    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:  # type: ignore[override]
         x = mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1)
         x = self.eh_proj(x)
         x = super().__call__(x, create_attention_mask(x, cache), cache)

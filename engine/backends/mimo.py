@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,7 +52,7 @@ class MTPLayer(mimo.TransformerBlock):
         )
         return self.input_proj(x)
 
-    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:  # type: ignore[override]
         x = self.fuse(hidden, embeds)
         x = super().__call__(x, create_attention_mask(x, cache), cache)
         return self.final_layernorm(x)
@@ -105,7 +105,7 @@ class MiMoBackend(Backend):
     family = "mimo"
 
     def __init__(self, trunk: mimo.Model, heads: list[MTPLayer]):
-        super().__init__(trunk, heads)
+        super().__init__(trunk, cast("list[nn.Module]", heads))
         args = trunk.args
         rope = trunk.model.layers[0].self_attn.rope
         head_dim = args.hidden_size // args.num_attention_heads
@@ -156,13 +156,14 @@ class MiMoBackend(Backend):
 
     def _step_inputs(self, x: mx.array, cache) -> StepInputs:
         """Rotary slices and mask, built once for all the blocks of a step."""
+        rope = cast(RopeTable, self.rope)  # forward takes this path only with a table
         length = x.shape[1]
         on_cpu = length <= COMPILED_MAX_TOKENS and mx.default_device() == mx.cpu
         if isinstance(cache.offset, mx.array):  # a batch of rows, each at its own position (engine/batch.py)
-            cos, sin = self.rope.rows(cache.offset, length, cache.size())
+            cos, sin = rope.rows(cache.offset, length, cache.size())
             mask = create_attention_mask(x, cache, return_array=True)  # [B, 1, L, T]: padding and causality
             return StepInputs(cos, sin, on_cpu, mx.tile(mask, (1, 1, self.group, 1)) if on_cpu else mask)
-        cos, sin = self.rope.slices(cache.offset, length)
+        cos, sin = rope.slices(cache.offset, length)
         if not on_cpu:
             return StepInputs(cos, sin, False, create_attention_mask(x, cache))
         causal = create_causal_mask(length, cache.offset) if length > 1 else None
@@ -222,4 +223,4 @@ def load(folder: Path, config: dict, weights: dict) -> MiMoBackend:
         head = MTPLayer(trunk.args)
         load_head_weights(head, weights, f"{HEAD_PREFIX}{i}.")
         heads.append(head)
-    return MiMoBackend(trunk, heads)
+    return MiMoBackend(cast(mimo.Model, trunk), heads)

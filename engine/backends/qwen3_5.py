@@ -55,7 +55,7 @@ class MTPLayer(qwen3_5.DecoderLayer):
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.norm = nn.RMSNorm(d, eps=eps)
 
-    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:  # type: ignore[override]
         x = mx.concatenate(
             [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1
         )
@@ -65,7 +65,7 @@ class MTPLayer(qwen3_5.DecoderLayer):
 
 
 class Qwen3_5Backend(Backend):
-    def __init__(self, family: str, trunk: qwen3_5.Model, heads: list[MTPLayer]):
+    def __init__(self, family: str, trunk: nn.Module, heads: list[nn.Module]):  # trunk: a qwen3_5(_moe) Model
         self.family = family
         self.trunk = trunk
         self.text = trunk.language_model  # TextModel: .model, .args, .lm_head

@@ -61,13 +61,13 @@ class MTPLayer(qwen3_next.Qwen3NextDecoderLayer):
         if moe:
             self.mlp = qwen3_next.Qwen3NextSparseMoeBlock(args)
         else:
-            self.mlp = qwen3_next.Qwen3NextMLP(d, args.intermediate_size)
+            self.mlp = qwen3_next.Qwen3NextMLP(d, args.intermediate_size)  # type: ignore[assignment]
         self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.norm = nn.RMSNorm(d, eps=eps)
 
-    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache) -> mx.array:  # type: ignore[override]
         x = mx.concatenate(
             [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -61,7 +61,8 @@ def capture_layer(c: Any, n: int) -> LayerState:
     if type(c) is KVCache:
         if c.offset != n or c.keys is None:
             raise SnapshotMismatch(f"attention cache holds {c.offset} tokens, expected {n}")
-        return LayerState("kv", [to_host(c.keys[..., :n, :]), to_host(c.values[..., :n, :])])
+        values = cast(mx.array, c.values)  # set with the keys
+        return LayerState("kv", [to_host(c.keys[..., :n, :]), to_host(values[..., :n, :])])
     if type(c) is ArraysCache:
         return LayerState("arrays", [None if a is None else to_host(a) for a in c.cache])
     raise SnapshotMismatch(f"cannot snapshot a {type(c).__name__}")
@@ -70,28 +71,29 @@ def capture_layer(c: Any, n: int) -> LayerState:
 def restore_layer(c: Any, layer: LayerState, length: int) -> None:
     """Fill a fresh cache `c` (from make_cache) with `layer`, cut to `length` tokens."""
     if layer.kind == "kv" and type(c) is KVCache:
-        keys, values = layer.tensors
+        keys, values = cast("list[Tensor]", layer.tensors)  # a checked kv layer holds both
         c.keys = to_device(keys.slice_seq(2, 0, length))
         c.values = to_device(values.slice_seq(2, 0, length))
         c.offset = length
     elif layer.kind == "arrays" and type(c) is ArraysCache and len(c.cache) == len(layer.tensors):
-        c.cache = [None if t is None else to_device(t) for t in layer.tensors]
+        c.cache = cast(Any, [None if t is None else to_device(t) for t in layer.tensors])  # mlx-lm types it list[None]
     else:
         raise SnapshotMismatch(f"a {layer.kind!r} layer cannot fill a {type(c).__name__}")
 
 
 def capture_head(c: KVCache, pending: mx.array | None) -> HeadState:
     keys = values = None
-    if c.offset > 0:
-        keys, values = to_host(c.keys[..., : c.offset, :]), to_host(c.values[..., : c.offset, :])
+    if c.offset > 0:  # then it holds keys and values
+        keys = to_host(cast(mx.array, c.keys)[..., : c.offset, :])
+        values = to_host(cast(mx.array, c.values)[..., : c.offset, :])
     held = to_host(pending) if pending is not None and pending.shape[1] > 0 else None
     return HeadState(keys, values, held)
 
 
 def restore_head(c: KVCache, head: HeadState, offset: int) -> None:
-    if offset > 0:
-        c.keys = to_device(head.keys.slice_seq(2, 0, offset))
-        c.values = to_device(head.values.slice_seq(2, 0, offset))
+    if offset > 0:  # then the head state holds keys and values that long (Layout.check)
+        c.keys = to_device(cast(Tensor, head.keys).slice_seq(2, 0, offset))
+        c.values = to_device(cast(Tensor, head.values).slice_seq(2, 0, offset))
         c.offset = offset
 
 
@@ -110,16 +112,18 @@ def probe(backend: Any) -> Layout:
     cache = backend.make_cache()
     token = mx.array([[0]])
     logits, hidden = backend.forward(token, cache)
-    kinds, shapes = [], []
+    kinds: list[str] = []
+    shapes: list[Any] = []
     for c in cache:
         if type(c) is KVCache:
             kinds.append("kv")
-            k, v = c.keys, c.values
-            shapes.append(((k.shape[1], k.shape[3], _dtype_name(k.dtype)), (v.shape[1], v.shape[3], _dtype_name(v.dtype))))
+            keys, values = cast(mx.array, c.keys), cast(mx.array, c.values)  # filled by the forward
+            shapes.append(((keys.shape[1], keys.shape[3], _dtype_name(keys.dtype)),
+                           (values.shape[1], values.shape[3], _dtype_name(values.dtype))))
         else:
             kinds.append("arrays")
             shapes.append(tuple(None if a is None else (tuple(a.shape), _dtype_name(a.dtype)) for a in c.cache))
-    heads = []
+    heads: list[Any] = []
     if hidden is not None:
         for k in range(backend.n_heads):
             hc = backend.make_head_caches()[k]
@@ -145,7 +149,7 @@ def model_fingerprint(folder: Path, backend: Any, layout: Layout) -> str:
     hash_checkpoint_files(h, folder)
     h.update(layout.to_json().encode())
     h.update(f"heads={backend.n_heads}".encode())
-    h.update(f"mlx={mx.__version__}".encode())
+    h.update(f"mlx={mx.__version__}".encode())  # type: ignore[attr-defined]  # not in mlx's stubs
     h.update(f"mlx-lm={_package_version('mlx-lm')}".encode())
     return h.hexdigest()
 

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, cast
 
 import numpy as np
 
 from engine.sessions.files import Aborted, BadFile, read_snapshot, snapshot_metadata, write_json_atomic, write_snapshot
 from engine.sessions.folder import MANIFEST, manifest_record, prune_other_models, scan_folder, set_aside
-from engine.sessions.index import Entry
-from engine.sessions.state import FORMAT, Snapshot
+from engine.sessions.index import Entry, PrefixIndex
+from engine.sessions.state import FORMAT, ModelKey, Snapshot
 
 log = logging.getLogger("mtplxd.sessions")
 
@@ -60,6 +62,42 @@ def _write_warning(folder: Path, error: OSError) -> str:
 
 
 class DiskTier:
+    # The bank's state this mixin shares: set by SessionBank.__init__ and attach.
+    root: Path | None
+    folder: Path | None  # the open disk tier's folder; None: RAM only
+    model: ModelKey | None
+    disk_budget: int
+    write_bps: int
+    disk_warning: str | None
+    _cond: threading.Condition
+    _clock: Callable[[], float]
+    _index: PrefixIndex
+    _entries: dict[int, Entry]
+    _writer: threading.Thread | None
+    _flushing: bool
+    _closing: bool
+    _manifest_dirty: bool
+    _manifest_retry_at: float
+    _touched: bool
+    _doomed: list[str]
+    _writes: int
+    _bad: int
+    _evictions_disk: int
+
+    if TYPE_CHECKING:  # the bank's own, called back
+        @property
+        def trimmable(self) -> bool: ...
+
+        def _drop(self, entry: Entry, superseded_by: Entry | None = None, keep_file: bool = False) -> None: ...
+
+        @staticmethod
+        def _victim(entries: Iterable[Entry], keep: Entry | None) -> Entry | None: ...
+
+    def _opened(self) -> tuple[Path, ModelKey]:
+        """The disk tier's folder and the model it belongs to, once open (attach sets both
+        before the writer starts; nothing here runs without them)."""
+        return cast(Path, self.folder), cast(ModelKey, self.model)
+
     def _drain(self, deadline: float) -> None:
         """Have the writer write everything now; wait (holding the lock) until it has or `deadline`."""
         self._flushing = True
@@ -96,7 +134,7 @@ class DiskTier:
                     self._cond.wait(self._next_due_in())
                 if entry is not None:
                     entry.writing = True
-                    snapshot = entry.snapshot
+                    snapshot = cast(Snapshot, entry.snapshot)  # _next_write picks entries that hold one
             if entry is not None:
                 self._write_entry(entry, snapshot)
             if self.folder is not None and (self._manifest_dirty or self._doomed or self._touched):
@@ -120,7 +158,7 @@ class DiskTier:
         due = [e for e in self._entries.values()
                if e.write_due is not None and not e.no_disk and not e.writing and e.snapshot is not None
                and (self._flushing or e.write_due <= now)]
-        return min(due, key=lambda e: e.write_due) if due else None
+        return min(due, key=lambda e: cast(float, e.write_due)) if due else None
 
     def _next_due_in(self) -> float | None:
         dues = [e.write_due for e in self._entries.values() if e.write_due is not None and not e.no_disk]
@@ -131,9 +169,10 @@ class DiskTier:
         return max(0.0, min(dues) - self._clock()) + 0.001
 
     def _write_entry(self, entry: Entry, snapshot: Snapshot) -> None:
-        metadata = snapshot_metadata(snapshot, self.model.fingerprint, entry.workspace)
+        folder, model = self._opened()
+        metadata = snapshot_metadata(snapshot, model.fingerprint, entry.workspace)
         try:
-            sha, size = write_snapshot(self.folder, entry.name, snapshot, metadata, self.write_bps,
+            sha, size = write_snapshot(folder, entry.name, snapshot, metadata, self.write_bps,
                                        abort=lambda: entry.dropped or (self._closing and not self._flushing))
         except Aborted:
             with self._cond:
@@ -145,7 +184,7 @@ class DiskTier:
         except OSError as e:  # a full disk: the entry stays in RAM (if it still fits), the daemon goes on
             log.warning("session file %s not written: %s", entry.name, e)
             with self._cond:
-                self.disk_warning = _write_warning(self.folder, e)
+                self.disk_warning = _write_warning(folder, e)
                 entry.writing, entry.write_due, entry.no_disk = False, None, True
                 if not entry.in_ram:
                     self._drop(entry)
@@ -167,23 +206,24 @@ class DiskTier:
             self._evict_disk(keep=entry)
 
     def _write_manifest(self) -> None:
+        folder, _ = self._opened()
         with self._cond:
             manifest = self._manifest()
             doomed, self._doomed = self._doomed, []
             self._manifest_dirty = self._touched = False
         try:
-            write_json_atomic(self.folder / MANIFEST, manifest)
+            write_json_atomic(folder / MANIFEST, manifest)
         except OSError as e:
             log.warning("session manifest not written: %s", e)
             with self._cond:
-                self.disk_warning = _write_warning(self.folder, e)
+                self.disk_warning = _write_warning(folder, e)
                 self._manifest_retry_at = self._clock() + MANIFEST_RETRY_S
                 self._manifest_dirty = True
                 self._doomed = doomed + self._doomed
             return
         self._manifest_retry_at = float("-inf")
         for name in doomed:  # only now that no manifest lists them
-            (self.folder / name).unlink(missing_ok=True)
+            (folder / name).unlink(missing_ok=True)
 
     def _manifest(self) -> dict:
         records = []
@@ -191,14 +231,15 @@ class DiskTier:
             if e.file:
                 records.append(manifest_record(e))
             records += e.retained
-        return {"format": FORMAT, "fingerprint": self.model.fingerprint, "entries": records}
+        return {"format": FORMAT, "fingerprint": self._opened()[1].fingerprint, "entries": records}
 
     # -- reading and the budget (the lock held except in _load) ----------------------------
 
     def _load(self, entry: Entry, name: str, sha: str) -> Snapshot | None:
-        path = self.folder / name
+        folder, model = self._opened()
+        path = folder / name
         try:
-            snapshot, metadata = read_snapshot(path, sha, self.model.fingerprint, self.model.layout)
+            snapshot, metadata = read_snapshot(path, sha, model.fingerprint, model.layout)
             if metadata.get("workspace") != entry.workspace or not np.array_equal(snapshot.tokens, entry.tokens):
                 raise BadFile("tokens or workspace differ from the index")
             return snapshot
@@ -243,13 +284,14 @@ class DiskTier:
     # -- opening the disk tier -------------------------------------------------------------
 
     def _open_disk(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        folder = self.root / self.model.fingerprint[:16]
+        root, model = cast(Path, self.root), cast(ModelKey, self.model)  # a disk tier configured, a model attached
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = root / model.fingerprint[:16]
         folder.mkdir(exist_ok=True, mode=0o700)
         self.folder = folder
-        if scan_folder(folder, self.model, self._index_file, self._count_bad):
+        if scan_folder(folder, model, self._index_file, self._count_bad):
             self._manifest_dirty = True
-        prune_other_models(self.root, folder, self.disk_budget)
+        prune_other_models(root, folder, self.disk_budget)
         with self._cond:
             self._evict_disk()
             if not self.trimmable:  # a trimmable bank supersedes prefixes instead of linking them

@@ -52,6 +52,11 @@ class Aborted(Exception):
 # -- writing ----------------------------------------------------------------------------
 
 
+def _bytes(data: np.ndarray) -> memoryview:
+    """The array's memory as bytes (C-contiguous arrays, as the snapshot's are)."""
+    return memoryview(data).cast("B")  # type: ignore[arg-type]  # a buffer (not in the 3.11 stubs)
+
+
 def _named(s: Snapshot) -> list[tuple[str, np.ndarray, str]]:
     items: list[tuple[str, np.ndarray, str]] = [("tokens", s.tokens, "int32")]
     for i, layer in enumerate(s.layers):
@@ -106,7 +111,7 @@ def write_snapshot(
     items = _named(s)
     data_hash = hashlib.sha256()
     for _, data, _ in items:
-        data_hash.update(memoryview(data).cast("B"))
+        data_hash.update(_bytes(data))
     header = _header(items, {**metadata, "data_sha256": data_hash.hexdigest()})
     file_hash = hashlib.sha256()
     tmp = folder / f".{name}.tmp"
@@ -119,7 +124,7 @@ def write_snapshot(
                 file_hash.update(piece)
             step = CHUNK if rate_bps <= 0 else max(4096, min(CHUNK, rate_bps // 10))
             for _, data, _ in items:
-                view = memoryview(data).cast("B")
+                view = _bytes(data)
                 for start in range(0, len(view), step):
                     if abort():
                         raise Aborted()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -159,16 +159,16 @@ class Layout:
             _need(layer.kind == kind, f"layer {i} is {layer.kind!r}, expected {kind!r}")
             if kind == "kv":
                 _need(len(layer.tensors) == 2 and None not in layer.tensors, f"layer {i}: keys and values")
-                for t, (h, d, dtype) in zip(layer.tensors, shape):
+                for t, (h, d, dtype) in zip(cast("list[Tensor]", layer.tensors), shape):  # no None: checked
                     _need(t.shape == (1, h, n, d) and t.dtype == dtype,
                           f"layer {i}: {t.shape} {t.dtype}, expected {(1, h, n, d)} {dtype} (offset == n_tokens)")
             else:
                 _need(len(layer.tensors) == len(shape), f"layer {i}: {len(layer.tensors)} arrays")
-                for t, want in zip(layer.tensors, shape):
-                    got = None if t is None else (t.shape, t.dtype)
+                for array, want in zip(layer.tensors, shape):
+                    got = None if array is None else (array.shape, array.dtype)
                     _need(got == want, f"layer {i}: array {got}, expected {want}")
         _need(len(s.heads) <= len(self.heads), f"{len(s.heads)} head states, the model has {len(self.heads)}")
-        previous = None
+        previous = 0  # head 0's offset, set before another head reads it
         for k, (head, ((h, dk, kt), (_, dv, vt))) in enumerate(zip(s.heads, self.heads)):
             off = head.offset
             _need(off + k + 1 <= n or off == 0, f"head {k}: offset {off} past the fed tokens")
@@ -183,17 +183,18 @@ class Layout:
             else:
                 _need(off <= previous, f"head {k} ahead of head {k - 1}")
                 rows = previous - off
-                got = head.pending.shape if head.pending is not None else (1, 0, self.hidden[0] if self.hidden else 0)
-                _need(self.hidden is not None and got == (1, rows, self.hidden[0]), f"head {k}: pending {got}")
+                pending = head.pending.shape if head.pending is not None else (1, 0, self.hidden[0] if self.hidden else 0)
+                _need(self.hidden is not None and pending == (1, rows, self.hidden[0]), f"head {k}: pending {pending}")
                 if head.pending is not None:
-                    _need(head.pending.dtype == self.hidden[1], f"head {k}: pending dtype")
+                    _need(head.pending.dtype == cast("tuple[int, str]", self.hidden)[1], f"head {k}: pending dtype")
             previous = off
         if self.hidden is None:
             _need(s.hidden is None, "hidden states for a model without heads")
         else:
             _need(s.hidden is not None, "no hidden states")
-            _need(s.hidden.shape == (1, n, self.hidden[0]) and s.hidden.dtype == self.hidden[1],
-                  f"hidden {s.hidden.shape} {s.hidden.dtype}")
+            hidden = cast(Tensor, s.hidden)  # checked just above
+            _need(hidden.shape == (1, n, self.hidden[0]) and hidden.dtype == self.hidden[1],
+                  f"hidden {hidden.shape} {hidden.dtype}")
         if s.logits is not None:
             _need(s.logits.shape == (1, self.vocab[0]) and s.logits.dtype == self.vocab[1],
                   f"logits {s.logits.shape} {s.logits.dtype}")

@@ -84,7 +84,9 @@ def _fim_sample(s: dict[str, int], order: str, prefix: list[int], suffix: list[i
 
 def split_lines(text: str, max_chars: int) -> list[str]:
     """Cut `text` at line breaks into pieces of at most ~max_chars characters."""
-    pieces, current, size = [], [], 0
+    pieces: list[str] = []
+    current: list[str] = []
+    size = 0
     for line in text.splitlines(keepends=True):
         if current and size + len(line) > max_chars:
             pieces.append("".join(current))

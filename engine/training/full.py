@@ -13,7 +13,7 @@ from engine.training import trainer
 from engine.training.corpus import held_out_files, load_corpus, manifest
 from engine.training.data import Batches, build_stream
 from engine.training.model import (
-    MTPModel, cross_entropy, head_agreement, model_config, parameter_count, save_safetensors, trunk_loss,
+    ModelShape, MTPModel, cross_entropy, head_agreement, model_config, parameter_count, save_safetensors, trunk_loss,
     write_json,
 )
 from engine.training.tokenizer import EOS, load_tokenizer, save_tokenizer, train_tokenizer
@@ -61,6 +61,7 @@ def train_model(settings: ModelSettings, resume: bool = False, callback=None) ->
     state_dir.mkdir(exist_ok=True)
 
     if resume:
+        assert saved is not None  # check_run_state refuses to resume nothing
         tok = load_tokenizer(out)
         stream = np.load(state_dir / "tokens.npy")
         corpus_info = saved["corpus"]
@@ -73,8 +74,9 @@ def train_model(settings: ModelSettings, resume: bool = False, callback=None) ->
         stream = build_stream(tok, [d.text for d in docs], s.seq_len, s.fim_rate, s.seed, fim_order=s.fim_order)
         np.save(state_dir / "tokens.npy", stream)
     eos = tok.token_to_id(EOS)
-    config = model_config(tok.get_vocab_size(), s.hidden, s.layers, s.heads, s.intermediate,
-                          max_positions=s.max_positions, eos_token_id=eos)
+    shape = ModelShape(hidden=s.hidden, layers=s.layers, heads=s.heads, intermediate=s.intermediate,
+                       max_positions=s.max_positions)
+    config = model_config(tok.get_vocab_size(), shape, eos_token_id=eos)
     counts = parameter_count(config)
     batches = Batches(stream, s.seq_len, s.batch, s.seed)
     say(f"model: {counts['trunk'] / 1e6:.2f}M trunk + {counts['heads'] / 1e6:.2f}M in {s.heads} MTP head(s), "

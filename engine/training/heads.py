@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,7 +139,7 @@ def mimo_config(config: dict, keys: set[str], heads: int) -> tuple[dict, dict[st
     new.pop("auto_map", None)
     if kind != "mimo":
         new["mtplxd_converted_from"] = config.get("model_type")
-    biases = {}
+    biases: dict[str, tuple[int, ...]] = {}
     for i in range(config["num_hidden_layers"]):
         for proj, rows in (("q_proj", n_heads * head_dim), ("k_proj", n_kv * head_dim), ("v_proj", n_kv * head_dim)):
             name = f"model.layers.{i}.self_attn.{proj}.bias"
@@ -207,7 +207,7 @@ def prepare_family_output(src: Path, out: Path, report: InspectReport, heads: in
         raise CheckpointError(f"--heads {heads}: --replace-heads trains the checkpoint's own "
                               f"{report.mtp_heads} {report.family} head(s); it cannot add or drop heads")
     config = read_config(src)
-    is_head = head_key_predicate(report.descriptor, _trunk_layers(config))
+    is_head = head_key_predicate(report.supported_descriptor, _trunk_layers(config))
     dtype = _head_dtype(src, is_head)
     _check_new_folder(src, out)
     copy_without_heads(src, out, is_head)
@@ -309,7 +309,7 @@ class FamilyHeads(nn.Module):
         _check_head_caches(backend)
         self.heads = backend.heads  # the backend's own list: training updates what it runs
         self._backend = backend
-        _tie_shared_parts(backend.heads, report.descriptor.shared_parts)
+        _tie_shared_parts(backend.heads, report.supported_descriptor.shared_parts)
         _freeze_integer_arrays(backend.heads)
         self._export = _exporter(backend, report, src)
         self._offsets = _layout_offsets(report, src, self._export())
@@ -380,8 +380,9 @@ def _exporter(backend: Backend, report: InspectReport, src: Path) -> Callable[[]
         return own
     config = read_config(src)
     n_layers = _trunk_layers(config)
-    pattern = stored_head_pattern(report.descriptor, weight_keys(src), n_layers)
-    return lambda: head_tensors(report.descriptor, backend.heads, n_layers, pattern)
+    descriptor = report.supported_descriptor
+    pattern = stored_head_pattern(descriptor, weight_keys(src), n_layers)
+    return lambda: head_tensors(descriptor, backend.heads, n_layers, pattern)
 
 
 def _layout_offsets(report: InspectReport, src: Path, loaded: dict[str, mx.array]) -> dict[str, float]:
@@ -389,7 +390,7 @@ def _layout_offsets(report: InspectReport, src: Path, loaded: dict[str, mx.array
     of zero-centred norms (Qwen, Step-3.5) wherever mlx-lm gave the trunk's theirs. The
     sidecar subtracts it again: it holds the heads in the source's own layout, beside the
     source's trunk files, so the next load shifts them exactly once."""
-    if not report.descriptor.norm_shift:
+    if not report.supported_descriptor.norm_shift:
         return {}
     stored = weight_keys(src)
     files: dict[Path, dict[str, mx.array]] = {}
@@ -397,9 +398,10 @@ def _layout_offsets(report: InspectReport, src: Path, loaded: dict[str, mx.array
     for name, value in loaded.items():
         if value.ndim != 1 or name not in stored:
             continue
-        source = files.setdefault(stored[name], mx.load(str(stored[name])))[name]
+        loaded_file = cast(dict[str, mx.array], mx.load(str(stored[name])))  # a .safetensors file: a dict
+        source = files.setdefault(stored[name], loaded_file)[name]
         delta = value.astype(mx.float32) - source.astype(mx.float32)
-        offset = round(delta.mean().item())
+        offset = round(cast(float, delta.mean().item()))  # a float32 scalar
         if offset not in (0, 1) or not mx.allclose(delta, mx.array(float(offset)), atol=1e-3).item():
             raise CheckpointError(f"{name}: the loader changed this head tensor in a way that cannot be "
                                   "written back in the checkpoint's layout")
@@ -451,6 +453,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     report = inspect_checkpoint(src)
     own = distils_family_heads(report, s.replace_heads)
     if resume:
+        assert saved is not None  # check_run_state refuses to resume nothing
         config = saved["config"]
         dtype = _DTYPES[saved["head_dtype"]]
     elif own:
@@ -466,6 +469,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     eos = engine_.tokenizer.eos_token_id
     state_dir.mkdir(parents=True, exist_ok=True)
     if resume:
+        assert saved is not None
         stream = np.load(state_dir / "tokens.npy")
         corpus_info = saved["corpus"]
     else:
@@ -559,7 +563,7 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, stre
 
     def write_model() -> None:
         names = {f"{HEAD_PREFIX}{i}.{k}": v for i, layer in enumerate(model.mtp_layers)
-                 for k, v in tree_flatten(layer.parameters())}
+                 for k, v in cast(list[tuple[str, mx.array]], tree_flatten(layer.parameters()))}
         save_safetensors(out / SIDECAR, names, dtype)
 
     evaluate = None

@@ -20,8 +20,9 @@ import json
 import math
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,37 +32,43 @@ from mlx_lm.models import mimo
 from engine.backends.mimo import HEAD_PREFIX, MTPLayer
 
 
-def model_config(
-    vocab_size: int,
-    hidden: int = 256,
-    layers: int = 12,
-    heads: int = 2,
-    intermediate: int | None = None,
-    attention_heads: int | None = None,
-    kv_heads: int | None = None,
-    max_positions: int = 2048,
-    eos_token_id: int = 0,
-) -> dict:
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a model trained from scratch. None: derived from `hidden`
+    (intermediate: default_intermediate; attention heads: one per 64 dimensions;
+    KV heads: half the attention heads)."""
+
+    hidden: int = 256
+    layers: int = 12
+    heads: int = 2  # MTP heads
+    intermediate: int | None = None
+    attention_heads: int | None = None
+    kv_heads: int | None = None
+    max_positions: int = 2048
+
+
+def model_config(vocab_size: int, shape: ModelShape = ModelShape(), eos_token_id: int = 0) -> dict:
     """A MiMo config.json (real MiMo field names) for a model trained from scratch."""
-    attention_heads = attention_heads or max(1, hidden // 64)
-    kv_heads = kv_heads or max(1, attention_heads // 2)
+    hidden = shape.hidden
+    attention_heads = shape.attention_heads or max(1, hidden // 64)
+    kv_heads = shape.kv_heads or max(1, attention_heads // 2)
     if hidden % attention_heads or attention_heads % kv_heads:
         raise ValueError(f"hidden {hidden}, {attention_heads} attention heads, {kv_heads} KV heads do not divide")
     return {
         "architectures": ["MiMoForCausalLM"],
         "model_type": "mimo",
         "hidden_size": hidden,
-        "intermediate_size": intermediate or default_intermediate(hidden),
-        "num_hidden_layers": layers,
+        "intermediate_size": shape.intermediate or default_intermediate(hidden),
+        "num_hidden_layers": shape.layers,
         "num_attention_heads": attention_heads,
         "num_key_value_heads": kv_heads,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab_size,
-        "max_position_embeddings": max_positions,
+        "max_position_embeddings": shape.max_positions,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
-        "num_nextn_predict_layers": heads,
+        "num_nextn_predict_layers": shape.heads,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
         "torch_dtype": "bfloat16",
@@ -126,12 +133,17 @@ class MTPModel(nn.Module):
 
     def named_tensors(self, heads_only: bool = False) -> dict[str, mx.array]:
         """Parameters under their checkpoint names (Hugging Face MiMo keys)."""
-        out = {}
+        out: dict[str, mx.array] = {}
         if not heads_only:
-            out.update(tree_flatten(self.trunk.parameters()))
+            out.update(_flat(self.trunk.parameters()))
         for i, layer in enumerate(self.mtp_layers):
-            out.update({f"{HEAD_PREFIX}{i}.{k}": v for k, v in tree_flatten(layer.parameters())})
+            out.update({f"{HEAD_PREFIX}{i}.{k}": v for k, v in _flat(layer.parameters())})
         return out
+
+
+def _flat(tree: dict) -> list[tuple[str, mx.array]]:
+    # without `destination`, tree_flatten returns a list of (key, value) (its hint says list or dict)
+    return cast(list[tuple[str, mx.array]], tree_flatten(tree))
 
 
 # MLX's CPU exp is slow (about 20 ns an element, measured with mlx 0.32) and
@@ -223,7 +235,13 @@ def distill_loss(model: MTPModel, x: mx.array, h: mx.array, target_logp: mx.arra
     return total, mx.stack(losses)
 
 
-def head_agreement(model: MTPModel, x: mx.array, h: mx.array, target: mx.array) -> list[float]:
+class HeadsModel(Protocol):
+    """What head_agreement reads: MTPModel, or engine/training/heads.py's FamilyHeads."""
+
+    def heads_forward(self, hidden: mx.array, x: mx.array) -> Iterator[tuple[int, mx.array]]: ...
+
+
+def head_agreement(model: HeadsModel, x: mx.array, h: mx.array, target: mx.array) -> list[float]:
     """Per head: how often its argmax equals `target` (token ids over positions 0..S-1,
     aligned like the trunk's predictions: target[:, t] is what position t predicts)."""
     out = []

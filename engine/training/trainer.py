@@ -18,15 +18,15 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.blas import set_threads
-from engine.training.data import Batches
 from engine.training.model import save_safetensors, training_attention, write_json
 
 STATE_DIR = "train_state"
@@ -50,6 +50,18 @@ class LoopSettings:
     max_minutes: float | None = None  # stop (saving) once this much time has passed
 
 
+class BatchSource(Protocol):
+    """Where a job's batches come from: engine/training/data.py's Batches (token windows)
+    or engine/training/trunk_cache.py's WindowBatches (indices of cached windows)."""
+
+    batch: int  # windows a batch
+    seq_len: int
+
+    def get(self, position: int) -> np.ndarray:
+        """The batch starting at data position `position` (windows consumed so far)."""
+        ...
+
+
 @dataclass
 class Job:
     """What differs between training modes."""
@@ -57,7 +69,7 @@ class Job:
     module: nn.Module  # its trainable parameters are what is trained
     loss: Callable  # (module, x) -> (scalar loss, per-part losses [n])
     part_names: list[str]
-    batches: Batches
+    batches: BatchSource
     out: Path
     write_model: Callable[[], None]  # the bf16 checkpoint into `out`
     describe: dict[str, Any] = field(default_factory=dict)  # into state.json
@@ -235,16 +247,20 @@ def _restore(job: Job, opt: optim.Optimizer, state_dir: Path) -> int:
     state = read_state(job.out)
     if state is None:
         raise FileNotFoundError(f"nothing to resume in {job.out} (no {STATE_DIR}/state.json)")
-    weights = mx.load(str(state_dir / "weights.safetensors"))
+    weights = _load(state_dir / "weights.safetensors")
     job.module.load_weights(list(weights.items()), strict=False)
-    expected = {k for k, _ in tree_flatten(job.module.trainable_parameters())}
+    expected = {k for k, _ in cast(list[tuple[str, mx.array]], tree_flatten(job.module.trainable_parameters()))}
     if set(weights) != expected:
         raise ValueError(f"{state_dir}: saved weights do not match the model being trained")
-    opt.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
+    opt.state = tree_unflatten(list(_load(state_dir / "optimizer.safetensors").items()))
     mx.eval(job.module.parameters(), opt.state)
     if state["data_position"] != state["step"] * job.batches.batch:
         raise ValueError(f"{state_dir}: batch size changed since the checkpoint")
     return int(state["step"])
+
+
+def _load(path: Path) -> dict[str, mx.array]:
+    return cast(dict[str, mx.array], mx.load(str(path)))  # a .safetensors file: a dict
 
 
 class _Progress:

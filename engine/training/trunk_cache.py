@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,7 +53,7 @@ class TrunkOutputs:
 
     @classmethod
     def load(cls, path) -> TrunkOutputs:
-        arrays = mx.load(str(path))
+        arrays = cast(dict[str, mx.array], mx.load(str(path)))  # a .safetensors file: a dict
         return cls(arrays["tokens"], arrays["hidden"], arrays["top_ids"], arrays["top_logp"])
 
     def __len__(self) -> int:

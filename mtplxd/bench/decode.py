@@ -23,12 +23,12 @@ from typing import Literal
 import engine  # BLAS before mlx
 import mlx.core as mx
 
+from engine.calibration_store import CalibrationStore
 from engine.checkpoint import read_config
 from engine.engine import Engine
-from engine.profiles import (
-    MEASURED_SAMPLERS, Calibration, CalibrationStore, DecodePlanner, auto_profile, get_profile,
-)
 from engine.generation import GenerationRequest
+from engine.profiles import MEASURED_SAMPLERS, Calibration, DecodePlanner, auto_profile, get_profile
+from mtplxd.calibrate import held_out_prompts
 
 
 
@@ -50,20 +50,6 @@ class Tally:
     seconds: float = 0.0  # decoding wall time, summed over runs
     python_cpu: float = 0.0  # CPU seconds of the thread that builds the graphs (this one)
     worker_cpu: float = 0.0  # CPU seconds of every other thread: MLX's worker, BLAS
-
-
-def held_out_prompts(n: int, chars: int = 1200) -> list[str]:
-    """The opening of the first `def` in each held-out module (deterministic)."""
-    from engine.training.corpus import held_out_files
-
-    prompts = []
-    for doc in held_out_files():
-        start = doc.text.find("\ndef ")
-        if start >= 0:
-            prompts.append(doc.text[max(0, start - chars) : start + 1 + doc.text[start + 1 :].find("\n") + 1])
-        if len(prompts) == n:
-            break
-    return prompts
 
 
 def run_once(engine_: Engine, ids: tuple[int, ...], config: Config, max_tokens: int, tally: Tally) -> None:

@@ -29,7 +29,8 @@ prefetch hit rate (after-accept requests answered from the prefetch), median sug
 length in characters, tokens generated (every job of the connection, prefetches and
 cancelled ones included) per character of the suggestions the engine answered, and the
 first-line exact-match rate at the pauses (the suggestion's first line against the real
-next line, whitespace at the ends aside). On a shared machine the figures are noisy:
+next line, whitespace at the ends aside), and the share of the suggested characters at the
+pauses that a user keeps (their common start with the real code that follows). On a shared machine the figures are noisy:
 compare the sides of one run, not digits across runs.
 """
 
@@ -77,6 +78,8 @@ class Side:
     lengths: list[int] = field(default_factory=list)  # of every suggestion received at a pause or after an accept
     exact: int = 0  # pauses whose suggestion's first line is the real next line
     judged: int = 0  # pauses with a real next line to compare with
+    suggested_chars: int = 0  # of the suggestions at the pauses
+    kept_chars: int = 0  # of those, the ones a user keeps: the common start with the real code
     accepts: int = 0
     counters: dict = field(default_factory=dict)  # mtplxd.status counters, summed over the connections
 
@@ -100,6 +103,7 @@ class Side:
             "median_chars": statistics.median(self.lengths) if self.lengths else None,
             "tokens_per_shown_char": ratio(tokens, shown),
             "first_line_exact": ratio(self.exact, self.judged),
+            "accepted_char_share": ratio(self.kept_chars, self.suggested_chars),
             "cached_share": ratio(cached, prompt),  # of the prompt tokens of the jobs that ended
             "prefilled_per_job": ratio(prompt - cached, jobs),
             "judged": self.judged, "accepts": self.accepts, "keystrokes": self.keystrokes,
@@ -219,6 +223,8 @@ async def type_function(lsp: LanguageClient, side: Side, target: Trace, others: 
         if real.strip():
             side.judged += 1
             side.exact += bool(text) and text.split("\n")[0].strip() == real.strip()
+            side.suggested_chars += len(text)
+            side.kept_chars += _common_start(text, "\n".join(target.lines[row:]).lstrip(" \t"))
         if text:
             (side.cold_ms if cold else side.pause_ms).append(ms)
             cold = False
@@ -230,6 +236,14 @@ async def type_function(lsp: LanguageClient, side: Side, target: Trace, others: 
             _count(side, outcome)
     for e in [editor, *opened]:
         e.close()
+
+
+def _common_start(a: str, b: str) -> int:
+    """How many leading characters two texts share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 async def accept(editor: Editor, side: Side, line: int, column: int, text: str, shown_at: float,
@@ -384,6 +398,8 @@ def report(results: dict[str, dict[str, Side]]) -> None:
         ("prompt tokens prefilled per job (cached share)",
          lambda f: f"{f['prefilled_per_job']} ({_percent(f['cached_share'])})"),
         ("first-line exact match", lambda f: f"{_percent(f['first_line_exact'])} of {f['judged']}"),
+        ("suggested characters kept (common start with the real code)",
+         lambda f: _percent(f["accepted_char_share"])),
         ("accepts / keystrokes / cancelled / errors",
          lambda f: f"{f['accepts']} / {f['keystrokes']} / {f['cancelled']} / {f['errors']}"),
     ]

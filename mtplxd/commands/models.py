@@ -146,12 +146,12 @@ def _import_gguf(path: Path, dest: Path, args: argparse.Namespace, source: str, 
     from mtplxd.store.models import new_record, write_record
 
     spec = _spec(args)
-    read_gguf(path)  # a bad file is refused in one line, before any progress is printed
+    plan = read_gguf(path)  # a bad file is refused in one line, before any progress is printed
     print(f"importing {path.name}", file=sys.stderr)
     fresh = dest.with_name(f".{dest.name}.new") if dest.exists() else dest
     if fresh != dest:
         shutil.rmtree(fresh, ignore_errors=True)
-    result = import_gguf(path, fresh, spec.bits, spec.group_size, source=source)
+    result = import_gguf(plan, fresh, spec.bits, spec.group_size, source=source)
     write_record(fresh, {**new_record(dest.name, source, revision, result), "heads_digest": result.heads_digest})
     if fresh != dest:
         old = dest.with_name(f".{dest.name}.old")

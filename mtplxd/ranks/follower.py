@@ -85,7 +85,7 @@ class Mirror:
 
 def follow(world: World, state_dir: Any) -> int:
     """The follower's whole life: join, load, serve commands until Shutdown."""
-    from mtplxd.daemon import load_model
+    from mtplxd.loader import load_model
     from mtplxd.jobs import attach_bank
     from mtplxd.workspaces import open_bank
 

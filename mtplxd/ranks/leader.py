@@ -27,7 +27,7 @@ PING_S = 1.0
 
 def lead(settings: Any, world: World, followers: list[subprocess.Popen]) -> tuple[Any, Leader]:
     """(rank 0's worker) Meet the other ranks, tell them the settings, load our slice."""
-    from mtplxd.daemon import load_model
+    from mtplxd.loader import load_model
 
     group = init_group(world)
     leader = Leader(Channel(group), settings.rank_timeout_s, followers)

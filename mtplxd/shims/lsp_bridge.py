@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-LSP_SOCKET = "lsp.sock"
+from mtplxd.state_dir import LSP_SOCKET
 SPAWNED_WAIT_S = 60.0  # a daemon we started: it binds the socket right after taking the state dir
 RUNNING_WAIT_S = 10.0  # a daemon that was already running (perhaps starting up itself)
 
