@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests.engine_helpers import assert_greedy_agree
 from tests.floats import DOT_ULPS, PATHS_ULPS, assert_close, excess
 
 pytestmark = pytest.mark.real_model
@@ -222,9 +223,11 @@ def test_tokenizer_controls_a_wrong_split_or_lost_control_tokens_are_caught(gguf
 
 def greedy(engine_, messages, mode: str = "ar", depth: int = 2, max_tokens: int = 40) -> list[int]:
     from engine.generation import GenerationRequest
+    from engine.sampler_settings import SamplerSettings
 
     ids = engine_.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     gen = engine_.open(GenerationRequest(prompt=tuple(ids), mode=mode, depth=depth, max_tokens=max_tokens,
+                                         sampler=SamplerSettings(temperature=0.0),
                                          stop_token_ids=frozenset(engine_.tokenizer.eos_token_ids)))
     tokens = []
     while not gen.finished:
@@ -253,6 +256,7 @@ def test_the_default_model_decodes_with_its_shipped_heads(gguf_file, tmp_path):
     assert config["num_nextn_predict_layers"] == 2
     engine_ = Engine.load(result.out)
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    prompt = engine_.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     ar = greedy(engine_, messages, "ar", max_tokens=48)
     for depth in (1, 2, 3):
-        assert greedy(engine_, messages, "mtp", depth, max_tokens=48) == ar, depth
+        assert_greedy_agree(engine_.backend, prompt, ar, greedy(engine_, messages, "mtp", depth, max_tokens=48))
