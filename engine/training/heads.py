@@ -483,8 +483,8 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
 
     mx.random.seed(s.seed)
     if not own:
-        return _train_cached(s, config, dtype, engine_, stream, held_windows(s, encoder, fim_rate, fim_order, eos),
-                             corpus_info, resume, callback, say)
+        corpus = CorpusTokens(stream, held_windows(s, encoder, fim_rate, fim_order, eos), corpus_info)
+        return _train_cached(s, config, dtype, engine_, corpus, resume, callback, say)
     model = FamilyHeads(engine_.backend, report, src)
     weights = (1.0,) * model.n_heads
 
@@ -511,14 +511,22 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
         batches=batches,
         out=out,
         write_model=write_model,
-        describe={"mode": "heads", "settings": asdict(s), "corpus": corpus_info, "config": config,
-                  "head_dtype": next(k for k, v in _DTYPES.items() if v == dtype)},
+        describe=_describe(s, corpus_info, config, dtype),
         evaluate=evaluate,
     )
-    loop = trainer.LoopSettings(steps=s.steps, lr=s.lr, warmup=s.warmup, save_every=s.save_every,
+    return trainer.run(job, _loop(s), resume=resume, callback=callback)
+
+
+def _describe(s: HeadsSettings, corpus_info: dict, config: dict, dtype: mx.Dtype) -> dict:
+    """What state.json records of a heads run (a resumed run reads it back)."""
+    return {"mode": "heads", "settings": asdict(s), "corpus": corpus_info, "config": config,
+            "head_dtype": next(k for k, v in _DTYPES.items() if v == dtype)}
+
+
+def _loop(s: HeadsSettings) -> trainer.LoopSettings:
+    return trainer.LoopSettings(steps=s.steps, lr=s.lr, warmup=s.warmup, save_every=s.save_every,
                                 compile=s.compile, progress=s.progress, threads=s.threads,
                                 max_minutes=s.max_minutes)
-    return trainer.run(job, loop, resume=resume, callback=callback)
 
 
 def held_windows(s: HeadsSettings, encoder, fim_rate: float, fim_order: str, eos) -> mx.array | None:
@@ -531,10 +539,19 @@ def held_windows(s: HeadsSettings, encoder, fim_rate: float, fim_order: str, eos
     return eval_windows(stream, s.seq_len, s.eval_windows)
 
 
-def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, stream: np.ndarray,
-                  held: mx.array | None, corpus_info: dict, resume: bool, callback, say) -> trainer.TrainResult:
+@dataclass(frozen=True)
+class CorpusTokens:
+    stream: np.ndarray  # the training corpus, tokenized
+    held: mx.array | None  # held-out windows for the evaluations
+    info: dict  # the corpus manifest, for state.json
+
+
+def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corpus: CorpusTokens, resume: bool,
+                  callback, say) -> trainer.TrainResult:
     """New MiMo-style heads against the trunk's outputs, computed once (trunk_cache.py)."""
     from mlx_lm.models import mimo
+
+    stream, held, corpus_info = corpus.stream, corpus.held, corpus.info
 
     out = Path(s.out)
     state_dir = out / trainer.STATE_DIR
@@ -577,14 +594,10 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, stre
         batches=WindowBatches(len(outputs), s.seq_len, s.batch, s.seed),
         out=out,
         write_model=write_model,
-        describe={"mode": "heads", "settings": asdict(s), "corpus": corpus_info, "config": config,
-                  "head_dtype": next(k for k, v in _DTYPES.items() if v == dtype)},
+        describe=_describe(s, corpus_info, config, dtype),
         evaluate=evaluate,
     )
-    loop = trainer.LoopSettings(steps=s.steps, lr=s.lr, warmup=s.warmup, save_every=s.save_every,
-                                compile=s.compile, progress=s.progress, threads=s.threads,
-                                max_minutes=s.max_minutes)
-    return trainer.run(job, loop, resume=resume, callback=callback)
+    return trainer.run(job, _loop(s), resume=resume, callback=callback)
 
 
 def corpus_windows(stream: np.ndarray, seq_len: int, limit: int | None, seed: int) -> np.ndarray:
