@@ -441,8 +441,8 @@ def main() -> int:
         scratch = tempfile.TemporaryDirectory(prefix="mtplxd-bench-state-")
         state_dir = Path(scratch.name)
         env["MTPLXD_PORT"] = "0"
-        if args.model:
-            env["MTPLXD_MODEL"] = str(Path(args.model).expanduser().absolute())
+        if args.model:  # a path, or a name in the usual models folder (the scratch one has none)
+            env["MTPLXD_MODEL"] = str(load_settings({"model": args.model}).model_path)
     try:
         results = asyncio.run(bench(args, env, state_dir))
     finally:
