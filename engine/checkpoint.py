@@ -8,9 +8,10 @@ message is one line a user can act on.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 
 class CheckpointError(Exception):
@@ -117,6 +118,43 @@ def load_weights(folder: Path) -> dict[str, Any]:
         read_header(path)
         weights.update(cast("dict[str, Any]", mx.load(str(path))))  # a .safetensors file: a dict
     return weights
+
+
+def write_safetensors_subset(src: Path, dst: Path, keep: Callable[[str], bool]) -> None:
+    """The tensors of `src` that `keep` accepts, byte for byte (any dtype, never decoded,
+    never all in memory), into `dst`; nothing is written when none is kept."""
+    with src.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        metadata = header.pop("__metadata__", None)
+        kept = sorted((k for k in header if keep(k)), key=lambda k: header[k]["data_offsets"][0])
+        if not kept:
+            return
+        new: dict = {"__metadata__": metadata} if metadata is not None else {}
+        offset = 0
+        for k in kept:
+            start, end = header[k]["data_offsets"]
+            new[k] = {**header[k], "data_offsets": [offset, offset + end - start]}
+            offset += end - start
+        text = json.dumps(new, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the format aligns the data to 8 bytes
+        tmp = dst.with_name(dst.name + ".tmp")
+        with tmp.open("wb") as w:
+            w.write(struct.pack("<Q", len(text)) + text)
+            for k in kept:
+                start, end = header[k]["data_offsets"]
+                f.seek(8 + n + start)
+                _copy_bytes(f, w, end - start)
+    os.replace(tmp, dst)
+
+
+def _copy_bytes(f, w, n: int, chunk: int = 1 << 26) -> None:
+    while n > 0:
+        data = f.read(min(n, chunk))
+        if not data:
+            raise CheckpointError(f"{f.name}: truncated safetensors file")
+        w.write(data)
+        n -= len(data)
 
 
 # config.json key under which `mtplxd convert` records what it did to a checkpoint

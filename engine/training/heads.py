@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -57,7 +56,9 @@ from mlx_lm.models.cache import KVCache
 from engine.backends.base import Backend
 from engine.backends.descriptors import InspectReport, head_key_predicate, inspect_checkpoint, mlx_model_type
 from engine.backends.mimo import HEAD_PREFIX
-from engine.checkpoint import CheckpointError, read_config, read_header, text_config, weight_keys
+from engine.checkpoint import (
+    CheckpointError, read_config, read_header, text_config, weight_keys, write_safetensors_subset,
+)
 from engine.head_export import HEADS_FILE, head_tensors, stored_head_pattern
 from engine.prompts import fim_tokens
 from engine.training import trainer
@@ -247,43 +248,6 @@ def copy_without_heads(src: Path, out: Path, is_head: Callable[[str], bool], ski
             write_json(dst, index)
         else:
             _link_or_copy(path, dst)
-
-
-def write_safetensors_subset(src: Path, dst: Path, keep: Callable[[str], bool]) -> None:
-    """The tensors of `src` that `keep` accepts, byte for byte (any dtype, never decoded,
-    never all in memory), into `dst`; nothing is written when none is kept."""
-    with src.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        metadata = header.pop("__metadata__", None)
-        kept = sorted((k for k in header if keep(k)), key=lambda k: header[k]["data_offsets"][0])
-        if not kept:
-            return
-        new: dict = {"__metadata__": metadata} if metadata is not None else {}
-        offset = 0
-        for k in kept:
-            start, end = header[k]["data_offsets"]
-            new[k] = {**header[k], "data_offsets": [offset, offset + end - start]}
-            offset += end - start
-        text = json.dumps(new, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # the format aligns the data to 8 bytes
-        tmp = dst.with_name(dst.name + ".tmp")
-        with tmp.open("wb") as w:
-            w.write(struct.pack("<Q", len(text)) + text)
-            for k in kept:
-                start, end = header[k]["data_offsets"]
-                f.seek(8 + n + start)
-                _copy_bytes(f, w, end - start)
-    os.replace(tmp, dst)
-
-
-def _copy_bytes(f, w, n: int, chunk: int = 1 << 26) -> None:
-    while n > 0:
-        data = f.read(min(n, chunk))
-        if not data:
-            raise CheckpointError(f"{f.name}: truncated safetensors file")
-        w.write(data)
-        n -= len(data)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
