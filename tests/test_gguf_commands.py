@@ -161,6 +161,37 @@ def test_pull_local_file(files, tmp_path, capsys, heads_dir):
     greedy_ar_and_mtp(model)
 
 
+def test_pull_the_same_file_from_another_place(files, tmp_path, capsys, heads_dir):
+    """A clone elsewhere on disk pulls the same file under another path: known by its content
+    (make real-model in a second checkout); an import recorded before content hashes, from a
+    file of the same name, is done again; another file under the name is refused."""
+    state = tmp_path / "S"
+    model = state / "models" / "tiny"
+    assert cli(capsys, ["pull", str(files["tiny"]), "--state-dir", str(state)])[0] == 0
+    copy = tmp_path / "elsewhere" / "tiny.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(files["tiny"], copy)
+    before = mtimes(model)
+    code, out, err = cli(capsys, ["pull", str(copy), "--state-dir", str(state)])
+    assert code == 0 and "already imported" in out, err
+    assert mtimes(model) == before
+
+    record = read_record(model)
+    del record["file_sha256"]
+    record["source"] = "/another/checkout/tiny.gguf"
+    (model / RECORD_FILE).write_text(json.dumps(record))
+    code, out, err = cli(capsys, ["pull", str(copy), "--state-dir", str(state)])
+    assert code == 0 and "imported before from /another/checkout/tiny.gguf" in err, err
+    assert read_record(model)["source"] == str(copy.absolute()) and read_record(model)["file_sha256"]
+
+    other = tmp_path / "other" / "tiny.gguf"
+    other.parent.mkdir()
+    write_gguf(other, tiny_model("llama", seed=5), TYPES["llama"])
+    err = cli_error(capsys, ["pull", str(other), "--state-dir", str(state)], "pull")
+    assert "already exists" in err
+    assert read_record(model)["source"] == str(copy.absolute())
+
+
 # -- shipped heads ---------------------------------------------------------------------------
 
 

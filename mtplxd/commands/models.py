@@ -152,7 +152,8 @@ def _import_gguf(path: Path, dest: Path, args: argparse.Namespace, source: str, 
     if fresh != dest:
         shutil.rmtree(fresh, ignore_errors=True)
     result = import_gguf(plan, fresh, spec.bits, spec.group_size, source=source)
-    write_record(fresh, {**new_record(dest.name, source, revision, result), "heads_digest": result.heads_digest})
+    write_record(fresh, {**new_record(dest.name, source, revision, result),
+                         "heads_digest": result.heads_digest, "file_sha256": _sha256(path)})
     if fresh != dest:
         old = dest.with_name(f".{dest.name}.old")
         os.replace(dest, old)
@@ -204,21 +205,42 @@ def _already_there(dest: Path, name: str, repo_id: str, spec) -> int:
 
 def _already_imported(dest: Path, name: str, source: str, path: Path) -> bool:
     """True when `dest` is this file's import with the heads shipped now; False when it is
-    one with other heads (to be redone); a model from elsewhere is an error."""
+    one with other heads, or one of the same file from another place (to be redone); a
+    model from elsewhere is an error. The file is known by its content: a clone elsewhere
+    on disk pulls the same file under another path."""
     from engine.gguf_import import read_gguf
     from engine.shipped_heads import shipped_heads
     from mtplxd.store.models import ModelError, read_record
 
     record = read_record(dest) or {}
-    if record.get("source") == source:
-        heads = shipped_heads(read_gguf(path).metadata)
-        if record.get("heads_digest") == (heads.digest if heads else None):
-            print(f"{name} is already imported ({dest}); start it with: mtplxd start --model {name}")
-            return True
+    if not _same_file(record, source, path):
+        raise ModelError(f"{dest} already exists (from {record.get('source', 'elsewhere')}); "
+                         f"choose another --name, or remove it with: mtplxd rm {name}")
+    heads = shipped_heads(read_gguf(path).metadata)
+    if record.get("heads_digest") != (heads.digest if heads else None):
         print(f"{name}: the MTP heads shipped for it changed; importing again", file=sys.stderr)
         return False
-    raise ModelError(f"{dest} already exists (from {record.get('source', 'elsewhere')}); "
-                     f"choose another --name, or remove it with: mtplxd rm {name}")
+    if "file_sha256" not in record:
+        print(f"{name}: imported before from {record.get('source')}; importing again", file=sys.stderr)
+        return False
+    print(f"{name} is already imported ({dest}); start it with: mtplxd start --model {name}")
+    return True
+
+
+def _same_file(record: dict, source: str, path: Path) -> bool:
+    """Whether `record` is an import of the file at `path`: the same content, or (for a
+    record older than content hashes) the same source or a .gguf file of the same name."""
+    if "file_sha256" in record:
+        return record["file_sha256"] == _sha256(path)
+    old = str(record.get("source") or "")
+    return old == source or (old.endswith(".gguf") and Path(old).name == path.name)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _check_before_download(repo_id: str, revision: str | None, spec, dest: Path) -> None:
