@@ -14,9 +14,11 @@ UV_VERSION := 0.13.9
 
 install: $(STAMP) $(SHIM_STAMP) real-model
 
+# On an old venv this syncs: what left the lock is uninstalled (scripts/sync_venv.py).
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --require-hashes -r $(LOCK)
+	$(BIN)/python scripts/sync_venv.py $(LOCK)
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -327,11 +327,21 @@ class Daemon:
                     server = self.server
                     if server is not None and server.should_exit:  # a second signal: stop waiting for streams
                         server.force_exit = True
-                    log.info("received %s: shutting down", signal.Signals(signum).name)
+                    self._log_signal(signal.Signals(signum).name)
                     self.shutdown()
         except (ValueError, RuntimeError, NotImplementedError):
             # Not on the main thread (an embedding test): the owner calls shutdown().
             await anyio.sleep_forever()
+
+
+    def _log_signal(self, name: str) -> None:
+        """One line; under mlx.launch a warning that says the signal may mean another rank died."""
+        if self.world is None or self.followers:  # alone, or rank 0 of ranks started here
+            log.info("received %s: shutting down", name)
+            return
+        from mtplxd.ranks.leader import launcher_note
+
+        log.warning("received %s: shutting down; %s", name, launcher_note(self.scheduler.ranks))
 
 
 class _Server(uvicorn.Server):

@@ -353,7 +353,10 @@ async def test_two_clients_in_two_workspaces_keep_separate_caches(daemon, folder
         first_c, first_d = await both(p, q)  # new workspaces: nothing cached
         cross_c, cross_d = await both(q, p)  # the other workspace's prompt
         again_c, again_d = await both(p, q)  # its own prompt again
-        figures_c, figures_d = await sessions_figures(two, folders.c), await sessions_figures(one, folders.d)
+        figures_c, figures_d = await sessions_figures(one, folders.c), await sessions_figures(two, folders.d)
+        for session, other in ((one, folders.d), (two, folders.c)):  # each client sees its own workspace only
+            with pytest.raises(MCPError, match="refused"):
+                await sessions_figures(session, other)
     for out, workspace in ((first_c, c), (cross_c, c), (again_c, c), (first_d, d), (cross_d, d), (again_d, d)):
         assert out["workspace"] == workspace
     assert first_c["usage"]["cached_tokens"] == first_d["usage"]["cached_tokens"] == 0

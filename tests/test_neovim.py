@@ -1,9 +1,10 @@
 """Headless Neovim with the shipped config (examples/editors/neovim/mtplxd.lua) gets a suggestion.
 
 Neovim spawns `mtplxd lsp` itself (found on PATH, as users install it), which starts a
-daemon on the embedded model in a temporary state dir. Neovim 0.12+ declares inline
-completion and the server offers it; older ones get `textDocument/completion`. Skipped
-where `nvim` is not installed, or older than 0.8 (the config's oldest).
+daemon on the embedded model in a temporary state dir. Each path runs on the versions that
+take it: Neovim 0.12+ declares inline completion and the server offers it; older ones
+(Debian's 0.7, which CI installs) get the plain `textDocument/completion`. Skipped where
+`nvim` is not installed, or older than 0.7 (the config's oldest).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ vim.api.nvim_create_autocmd('VimEnter', { callback = function()
     return vim.cmd('qa!')
   end
   local client = mtplxd_client()
-  local inline = client.server_capabilities.inlineCompletionProvider ~= nil
+  local inline = (client.server_capabilities or {}).inlineCompletionProvider ~= nil
   local method = inline and 'textDocument/inlineCompletion' or 'textDocument/completion'
   local params = { textDocument = { uri = vim.uri_from_bufnr(0) }, position = { line = 1, character = 11 } }
   if inline then params.context = { triggerKind = 1 } end
@@ -53,17 +54,28 @@ vim.api.nvim_create_autocmd('VimEnter', { callback = function()
   local answer = answers and answers[client.id] or {}
   local item = answer.result and answer.result.items and answer.result.items[1]
   local text = item and (item.insertText or (item.textEdit and item.textEdit.newText))
-  vim.fn.writefile({ vim.json.encode({ method = method, text = text, error = err or answer.err }) }, out)
+  local failure = err or answer.err or answer.error  -- `error` before 0.8
+  vim.fn.writefile({ vim.json.encode({ method = method, text = text, error = failure }) }, out)
   vim.cmd('qa!')
 end })
 """
 
 
+COMPLETION, INLINE = "textDocument/completion", "textDocument/inlineCompletion"
+INLINE_SINCE = (0, 12)  # the first Neovim with vim.lsp.inline_completion
+
+
 @pytest.mark.skipif(NVIM is None, reason="nvim is not on PATH (Neovim is not installed)")
-def test_headless_neovim_gets_a_suggestion(tmp_path):
+@pytest.mark.parametrize("method", [COMPLETION, INLINE], ids=["plain completion", "inline completion"])
+def test_headless_neovim_gets_a_suggestion(tmp_path, method):
     assert NVIM is not None
-    if _version(NVIM) < (0, 8):
-        pytest.skip("the example config needs Neovim 0.8 or newer (vim.fs, vim.lsp.start)")
+    version = _version(NVIM)
+    if version < (0, 7):
+        pytest.skip("the example config needs Neovim 0.7 or newer (nvim_create_autocmd)")
+    if method == INLINE and version < INLINE_SINCE:
+        pytest.skip(f"Neovim {version[0]}.{version[1]} has no inline completion (0.12+); the plain path covers it")
+    if method == COMPLETION and version >= INLINE_SINCE:
+        pytest.skip(f"Neovim {version[0]}.{version[1]} declares inline completion: the server offers that instead")
     workspace, state = tmp_path / "ws", tmp_path / "state"
     workspace.mkdir()
     (workspace / "pyproject.toml").write_text("")  # a root marker the config looks for
@@ -84,4 +96,4 @@ def test_headless_neovim_gets_a_suggestion(tmp_path):
         daemon_client.stop(state)
     answer = json.loads((tmp_path / "answer.json").read_text())
     assert answer.get("text"), answer
-    assert answer["method"] in ("textDocument/inlineCompletion", "textDocument/completion")
+    assert answer["method"] == method, answer

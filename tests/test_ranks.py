@@ -267,3 +267,43 @@ def _plan(engine):
     from engine.profiles import DecodePlanner, auto_profile
 
     return DecodePlanner(auto_profile({}), engine.backend.n_heads).plan(0.0)
+
+
+def _rank_pid(rank: int, state: Path) -> int | None:
+    """The pid of the `mtplxd start` that mlx.launch started as `rank` for this state dir."""
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if f"MLX_RANK={rank}".encode() in environ and str(state).encode() in cmdline and proc.name.isdigit():
+            return int(proc.name)
+    return None
+
+
+def test_rank_0_says_why_when_mlx_launch_stops_it_for_a_follower(tmp_path):
+    """mlx.launch stops every rank when one exits with an error: rank 0, terminated for a
+    follower's death, leaves a line in its log saying so (before: only `received SIGTERM`)."""
+    from mtplxd import client as daemon_client
+
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    state = tmp_path / "state"
+    launch = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--", *mtplxd_command(), "start",
+                               "--port", "0", "--state-dir", str(state)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "daemon.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        url = "http://127.0.0.1:{port}".format(**json.loads((state / "daemon.json").read_text()))
+        wait_for_status(url, 200, 60)
+        follower = _rank_pid(1, state)
+        assert follower is not None
+        os.kill(follower, signal.SIGKILL)
+        launch.wait(60)
+        log = daemon_client.log_tail(state, 10)
+        assert "rank 0 of 2" in log and "mlx.launch" in log, log
+    finally:
+        if launch.poll() is None:
+            launch.kill()

@@ -12,7 +12,9 @@ a Content-Length that is not a byte count, or none at all, loses track of where 
 next message starts, so one -32700 error (id null) is sent and the connection closed;
 a Content-Length over MAX_MESSAGE_BYTES still says where the next message starts, so
 that many bytes are skipped (never held in memory), -32600 is sent and the connection
-goes on serving.
+goes on serving. A header line over MAX_HEADER_LINE_BYTES is read past the same way: with
+a Content-Length among the message's other headers the framing holds, so its body is
+skipped with -32600 as well; without one, the framing is lost as above.
 """
 
 from __future__ import annotations
@@ -35,12 +37,22 @@ from mtplxd.state_dir import LSP_SOCKET
 log = logging.getLogger("mtplxd.lsp")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# LSP has two short headers; the stream reader's limit, so a header line is never held past it.
+MAX_HEADER_LINE_BYTES = 64 * 1024
 SKIP_CHUNK_BYTES = 1024 * 1024  # an oversized body is read and dropped this much at a time
 MAX_COUNT_DIGITS = 18
 
 
 class FramingLost(Exception):
     """The headers of a message do not say where it ends; str(e) names the bad header."""
+
+
+class _LongLine(Exception):
+    """A header line over MAX_HEADER_LINE_BYTES, read past; `size`: its length."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.size = size
 
 
 async def serve_lsp(runtime: Runtime, settings: Settings) -> None:
@@ -65,7 +77,7 @@ async def serve_lsp(runtime: Runtime, settings: Settings) -> None:
 
     try:
         path.unlink(missing_ok=True)  # a dead daemon's socket: the state dir's lock is ours now
-        server = await asyncio.start_unix_server(connected, path=str(path), limit=MAX_MESSAGE_BYTES)
+        server = await asyncio.start_unix_server(connected, path=str(path), limit=MAX_HEADER_LINE_BYTES)
         os.chmod(path, 0o600)
     except OSError as e:
         log.error("cannot serve LSP on %s: %s; editors cannot connect", path, e)
@@ -85,38 +97,48 @@ async def serve_connection(server: CompletionServer, reader: asyncio.StreamReade
     try:
         while not server.closed:
             try:
-                length = await _read_headers(reader)
+                headers = await _read_headers(reader)
             except FramingLost as e:
                 log.warning("LSP: %s; closing the connection", e)
                 _error(server, None, -32700, f"Parse error: {e}; closing the connection")
                 break  # the transport sends what it holds before it closes
-            if length is None:
+            if headers is None:
                 break
-            if length > MAX_MESSAGE_BYTES:
-                await _skip(server, reader, length)
+            length, refusal = headers
+            if refusal is None and length > MAX_MESSAGE_BYTES:
+                refusal = f"a message of {length} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes"
+            if refusal is not None:
+                await _skip(server, reader, length, refusal)
                 continue
             dispatch(server, await reader.readexactly(length))
             # Let a request's handler take its document snapshot before the next message
             # (perhaps an edit) is applied: a request sees the text it was sent against.
             await asyncio.sleep(0)
-    except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+    except (asyncio.IncompleteReadError, ConnectionError):
         pass
 
 
-async def _read_headers(reader: asyncio.StreamReader) -> int | None:
-    """The Content-Length of the next message (perhaps over MAX_MESSAGE_BYTES); None at the
-    end of the stream. FramingLost when it is not a byte count, or the headers have none."""
+async def _read_headers(reader: asyncio.StreamReader) -> tuple[int, str | None] | None:
+    """(the Content-Length of the next message, perhaps over MAX_MESSAGE_BYTES; why its body
+    must be skipped, or None); None at the end of the stream. FramingLost when the length is
+    not a byte count, or the headers have none."""
     length = None
     headers = False  # a header line of this message was read
+    refusal = None
     while True:
-        line = await reader.readline()
+        try:
+            line = await _read_line(reader)
+        except _LongLine as e:
+            refusal = f"a header line of {e.size} bytes is over the limit of {MAX_HEADER_LINE_BYTES} bytes"
+            headers = True
+            continue
         if not line:
             return None
         if not line.strip():
             if length is not None:
-                return length
+                return length, refusal
             if headers:
-                raise FramingLost("headers without a Content-Length header")
+                raise FramingLost(f"headers without a Content-Length header ({refusal or 'none sent'})")
             continue  # stray blank line between messages
         headers = True
         name, _, value = line.decode("ascii", "replace").partition(":")
@@ -129,17 +151,34 @@ async def _read_headers(reader: asyncio.StreamReader) -> int | None:
             length = int(count)
 
 
-async def _skip(server: CompletionServer, reader: asyncio.StreamReader, length: int) -> None:
-    """Drop an oversized body a chunk at a time (the framing still holds), then say why."""
+async def _read_line(reader: asyncio.StreamReader) -> bytes:
+    """The next header line (b"" at the end of the stream); _LongLine, once it has been read
+    past, for one over the reader's limit (MAX_HEADER_LINE_BYTES)."""
+    size = 0
+    while True:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as e:
+            return e.partial if not size else b""  # the stream ended inside the line
+        except asyncio.LimitOverrunError as e:
+            # No newline within the limit: drop what the reader holds and look further.
+            size += len(await reader.readexactly(e.consumed))
+            continue
+        if size:
+            raise _LongLine(size + len(line.rstrip(b"\r\n")))
+        return line
+
+
+async def _skip(server: CompletionServer, reader: asyncio.StreamReader, length: int, refusal: str) -> None:
+    """Drop a refused body a chunk at a time (the framing still holds), then say why."""
     left = length
     while left > 0:
         chunk = await reader.read(min(left, SKIP_CHUNK_BYTES))
         if not chunk:
             raise asyncio.IncompleteReadError(b"", left)
         left -= len(chunk)
-    log.warning("LSP: skipped a message of %d bytes (limit %d)", length, MAX_MESSAGE_BYTES)
-    _error(server, None, -32600,
-           f"Invalid Request: a message of {length} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes")
+    log.warning("LSP: skipped a message: %s", refusal)
+    _error(server, None, -32600, f"Invalid Request: {refusal}")
 
 
 def dispatch(server: CompletionServer, body: bytes) -> None:

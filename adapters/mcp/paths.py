@@ -7,7 +7,8 @@ A workspace is an existing absolute folder, normalized as every adapter does
 - a folder an editor opened over LSP (the daemon's WorkspaceRegistry), or
 - a folder of the `workspaces` setting (config.toml, MTPLXD_WORKSPACES).
 Anything else is refused with a ToolError that names the folder and says how to allow
-it (`WorkspaceGuard`). The client is asked for its roots only when the other two do
+it (`WorkspaceGuard`); the resource `mtplxd://sessions/{workspace}` is guarded the same way
+(`WorkspaceGuard.use_in_read`). The client is asked for its roots only when the other two do
 not already allow the folder: through the tool's `ClientRoots` parameter, which the
 SDK fills in before the tool runs (a roots/list request in the handshake era, an
 input_required round from 2026-07-28 on). Handshake-era roots are kept per
@@ -15,7 +16,8 @@ Streamable HTTP session until the client sends notifications/roots/list_changed.
 
 A `path` argument resolves inside the workspace's real path as it was when allowed:
 `..`, absolute paths elsewhere and symlinks leading out are refused with a ToolError,
-and files are read without following a symlink swapped in after that check.
+and files are opened one component at a time with O_NOFOLLOW (`open_beneath`), so a
+folder swapped for a symlink after that check is never followed.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, overload
 
+import anyio
 from mcp.server.mcpserver import Context, ListRoots, Resolve
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ListRootsResult
+from mcp.types import InputRequiredResult, ListRootsRequest, ListRootsResult
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from mtplxd.config import Settings
@@ -43,6 +46,8 @@ log = logging.getLogger("mtplxd.mcp")
 MAX_FILE_BYTES = 1_000_000  # a file read for fim_complete or warm_workspace
 WARM_SCAN_LIMIT = 5_000  # directory entries looked at to find the recent files
 ROOTS_SESSIONS = 256  # Streamable HTTP sessions whose declared roots are kept
+ROOTS_TIMEOUT_S = 10.0  # a client's answer to roots/list asked during a resource read
+ROOTS_INPUT = "mtplxd_roots"  # the key of a resource read's roots/list in an input_required round
 SESSION_HEADER = "mcp-session-id"
 ROOTS_CHANGED = "notifications/roots/list_changed"
 
@@ -94,6 +99,23 @@ class WorkspaceGuard:
             raise ToolError(_refusal(workspace, real, roots))
         return Folder(workspace, real)
 
+    async def use_in_read(self, value: str, ctx: Context) -> Folder | InputRequiredResult:
+        """The workspace a resource read names, when a tool call of this client could use it.
+        Resources have no resolvers, so the client's roots are asked here when needed: over
+        the session's back-channel in the handshake era, else in one input_required round."""
+        if not self.must_ask(value, ctx):
+            return self.use(value, self.declared(ctx, None), required=True)
+        if ctx.protocol_version is None or ctx.protocol_version in HANDSHAKE_PROTOCOL_VERSIONS:
+            return self.use(value, self.declared(ctx, await _roots_now(ctx)), required=True)
+        answer = (ctx.input_responses or {}).get(ROOTS_INPUT)
+        if answer is None:  # the client answers roots/list, then retries the read
+            return InputRequiredResult(input_requests={ROOTS_INPUT: ListRootsRequest()})
+        try:
+            listed = ListRootsResult.model_validate(answer.model_dump(mode="json", by_alias=True, exclude_none=True))
+        except ValueError:  # an answer that is not a roots list declares none
+            listed = ListRootsResult(roots=[])
+        return self.use(value, self.declared(ctx, listed), required=True)
+
     def _daemon_allows(self, real: str) -> bool:
         """Allowed without the client's roots: by the setting or by an editor."""
         registry = self.runtime.workspaces
@@ -138,22 +160,33 @@ class WorkspaceGuard:
         return await call_next(ctx)
 
 
+async def _roots_now(ctx: Context) -> ListRootsResult | None:
+    """A roots/list request sent now, outside any resolver; None when the client gives none."""
+    try:
+        with anyio.fail_after(ROOTS_TIMEOUT_S):
+            result: ListRootsResult = await ctx.session.send_request(ListRootsRequest(), ListRootsResult)
+            return result
+    except Exception as e:  # a client that declares roots but cannot list them
+        log.info("the client did not list its roots (%s: %s)", type(e).__name__, e)
+        return None
+
+
 async def _asked_roots(workspace: str | None, ctx: Context) -> ListRoots | None:
     """Resolver: a roots/list request to the client, when the call needs its roots."""
-    return ListRoots() if _guard(ctx).must_ask(workspace, ctx) else None
+    return ListRoots() if guard_of(ctx).must_ask(workspace, ctx) else None
 
 
 async def _client_roots(listed: Annotated[ListRootsResult | None, Resolve(_asked_roots)],
                         ctx: Context) -> tuple[str, ...]:
     """Resolver: the folders of the roots the client declared."""
-    return _guard(ctx).declared(ctx, listed)
+    return guard_of(ctx).declared(ctx, listed)
 
 
 # A tool parameter the SDK fills in (never an argument): the client's declared root folders.
 ClientRoots = Annotated[tuple[str, ...], Resolve(_client_roots)]
 
 
-def _guard(ctx: Context) -> WorkspaceGuard:
+def guard_of(ctx: Context) -> WorkspaceGuard:
     """The guard, which the MCP server's lifespan hands every request (adapters/mcp/server.py)."""
     guard = ctx.request_context.lifespan_context
     if not isinstance(guard, WorkspaceGuard):
@@ -221,28 +254,67 @@ def resolve_workspace(value: str | None, required: bool) -> str | None:
     return workspace
 
 
-def resolve_path(workspace: Folder, path: str) -> tuple[Path, str]:
+@dataclass(frozen=True)
+class WorkspaceFile:
+    """A file a call may read: the workspace's real path when it was allowed, and the file's
+    real path relative to it as resolved when checked (also what the client is shown)."""
+
+    root: str
+    shown: str
+
+    @property
+    def full(self) -> str:
+        return os.path.join(self.root, self.shown)
+
+
+def resolve_path(workspace: Folder, path: str) -> WorkspaceFile:
     """A file path given by a client, resolved inside `workspace` only (its real path when it
-    was allowed): (the file's real path, the path relative to the workspace). `..`, absolute
-    paths elsewhere and symlinks leading out are refused."""
+    was allowed). `..`, absolute paths elsewhere and symlinks leading out are refused."""
     if not path or "\x00" in path:
         raise ToolError("`path` must be a non-empty file path without NUL characters")
     given = Path(path)
     if ".." in given.parts:
         raise ToolError(f"path {path!r} refused: `..` is not allowed, give a path inside the workspace")
     root = Path(workspace.real)
-    real = Path(os.path.realpath(given if given.is_absolute() else root / given))
+    try:
+        real = Path(os.path.realpath(given if given.is_absolute() else root / given))
+    except OSError as e:  # a folder on the way removed or replaced while it was resolved
+        raise ToolError(f"path {path!r}: cannot resolve it: {e.strerror}") from None
     if not real.is_relative_to(root):
         why = "is outside the workspace" if given.is_absolute() else "leads outside the workspace through a symlink"
         raise ToolError(f"path {path!r} refused: it {why} ({workspace.id})")
-    return real, str(real.relative_to(root))
+    return WorkspaceFile(workspace.real, str(real.relative_to(root)))
 
 
-def read_text(real: Path, shown: str) -> str:
-    """A regular UTF-8 file of at most MAX_FILE_BYTES (never following a last-moment symlink)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
+_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _NOFOLLOW  # a FIFO must not block the open
+
+
+def open_beneath(file: WorkspaceFile) -> int:
+    """The file opened one path component at a time from `/`, each relative to its folder's
+    descriptor (openat) and with O_NOFOLLOW: a folder or file swapped for a symlink after
+    `resolve_path` checked the path fails the open (ELOOP, ENOTDIR) instead of being
+    followed, so no read ever leaves the workspace."""
+    parts = Path(file.full).parts[1:]
+    if not parts:
+        raise IsADirectoryError(21, "Is a directory")
+    fd = os.open("/", _DIR_FLAGS)
     try:
-        fd = os.open(real, flags)
+        for name in parts[:-1]:
+            folder = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = folder
+        return os.open(parts[-1], _FILE_FLAGS, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def read_text(file: WorkspaceFile) -> str:
+    """A regular UTF-8 file of at most MAX_FILE_BYTES, opened without following any symlink."""
+    shown = file.shown
+    try:
+        fd = open_beneath(file)
     except FileNotFoundError:
         raise ToolError(f"{shown}: no such file") from None
     except OSError as e:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 
 from mcp.server import MCPServer
-from mcp.server.mcpserver.exceptions import ResourceError
+from mcp.server.mcpserver import Context
+from mcp.server.mcpserver.exceptions import ResourceError, ToolError
 from mcp.server.mcpserver.resources import ResourceSecurity
+from mcp.types import InputRequiredResult
 
 from adapters.mcp.figures import Figures
-from mtplxd.requests import workspace_key
+from adapters.mcp.paths import guard_of
 
 
 def register_resources(server: MCPServer, figures: Figures) -> None:
@@ -30,15 +32,19 @@ def register_resources(server: MCPServer, figures: Figures) -> None:
 
     @server.resource("mtplxd://sessions/{workspace}", name="sessions", title="Workspace sessions",
                      mime_type="application/json",
-                     description=("one workspace (its absolute path, percent-encoded): its jobs, prompt / "
-                                  "cached / generated tokens, session-bank entries, hits and misses"),
+                     description=("one workspace the tools may use (its absolute path, percent-encoded): its "
+                                  "jobs, prompt / cached / generated tokens, session-bank entries, hits and misses"),
                      security=ResourceSecurity(exempt_params={"workspace"}))  # an absolute path by design
-    def sessions_resource(workspace: str) -> str:
+    async def sessions_resource(workspace: str, ctx: Context) -> str | InputRequiredResult:
+        # Only a folder a tool call of this client could use (adapters/mcp/paths.py): the
+        # figures of any other would tell which folders exist and what was worked on in them.
         try:
-            workspace = workspace_key(workspace)
-        except ValueError as e:
-            raise ResourceError(f"{e} (percent-encoded in the URI)") from None
-        return json.dumps(figures.workspace_figures(workspace), indent=2)
+            folder = await guard_of(ctx).use_in_read(workspace, ctx)
+        except ToolError as e:
+            raise ResourceError(f"{e} (the workspace is percent-encoded in the URI)") from None
+        if isinstance(folder, InputRequiredResult):  # the client's roots first
+            return folder
+        return json.dumps(figures.workspace_figures(folder.id), indent=2)
 
 
 def register_prompts(server: MCPServer) -> None:

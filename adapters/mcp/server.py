@@ -268,6 +268,9 @@ def mount(app: Starlette, runtime: Runtime, settings: Settings) -> McpAdapter:
     mcp_app = adapter.server.streamable_http_app(
         streamable_http_path=MCP_PATH,
         transport_security=transport_security(settings),
+        # One body limit: the app's (adapters/http/body_limit.py), answered in JSON-RPC's form
+        # before the SDK reads; the SDK's own (4 MiB, a plain-text 413) is set to the same.
+        max_request_body_size=settings.max_body_bytes,
     )
     app.router.routes.extend(mcp_app.routes)  # one Route at /mcp
     previous = app.router.lifespan_context

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
@@ -23,7 +22,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from adapters.mcp.paths import (
-    ClientRoots, Folder, language_of, read_text, recent_files, resolve_path, split_at_cursor,
+    ClientRoots, Folder, WorkspaceFile, language_of, read_text, recent_files, resolve_path, split_at_cursor,
 )
 from adapters.mcp.schema import (
     DEFAULT_MAX_TOKENS, MAX_MESSAGES, MAX_PATH_CHARS, MAX_STOP_CHARS, MAX_STOPS, MAX_TEXT_CHARS, MAX_TOTAL_CHARS,
@@ -155,7 +154,7 @@ def register_tools(server: MCPServer, adapter: McpAdapter) -> None:
         folder = adapter.workspaces.use(workspace, roots, required=True)
         if paths is None:
             paths = await anyio.to_thread.run_sync(recent_files, folder.real, WARM_DEFAULT_FILES)
-        chosen = [(given, *resolve_path(folder, given)) for given in paths]  # any refusal fails the call
+        chosen = [(given, resolve_path(folder, given)) for given in paths]  # any refusal fails the call
         info = await adapter.ready(ctx, deadline)
         return await _queue_warmups(adapter, info, folder.id, chosen)
 
@@ -265,29 +264,29 @@ async def _cursor_context(folder: Folder, cursor: Cursor) -> tuple[str, str, str
         raise ToolError("give either `path` with a cursor, or `prefix` / `suffix`, not both")
     if line is None or character is None:
         raise ToolError("with `path`, give the cursor too: `line` and `character` (zero-based)")
-    real, shown = resolve_path(folder, path)
-    text = await anyio.to_thread.run_sync(read_text, real, shown)
-    return *split_at_cursor(text, line, character, shown), shown
+    file = resolve_path(folder, path)
+    text = await anyio.to_thread.run_sync(read_text, file)
+    return *split_at_cursor(text, line, character, file.shown), file.shown
 
 
 async def _queue_warmups(adapter: McpAdapter, info: ModelInfo, workspace: str,
-                         chosen: list[tuple[str, Path, str]]) -> WarmResult:
+                         chosen: list[tuple[str, WorkspaceFile]]) -> WarmResult:
     """Queue each chosen file's warm-up at background priority; a file that cannot be
     warmed is skipped with the reason, and the others still go."""
     bank_off = adapter.figures.bank() is None
     queued, skipped, total = [], [], 0
-    for given, real, shown in chosen:
+    for given, file in chosen:
         try:
             if bank_off:
                 raise ToolError("the session bank is off: nothing would be kept")
-            ids = _warm_ids(info, await anyio.to_thread.run_sync(read_text, real, shown))
+            ids = _warm_ids(info, await anyio.to_thread.run_sync(read_text, file))
             if not ids:
                 raise ToolError("empty file")
-            ticket = adapter.submit(WarmRequest(tuple(ids), workspace, Priority.BACKGROUND, label=str(real)))
+            ticket = adapter.submit(WarmRequest(tuple(ids), workspace, Priority.BACKGROUND, label=file.full))
         except ToolError as e:
             skipped.append(WarmSkip(path=given, reason=str(e)))
             continue
         adapter.start_background(ticket)  # outside the try: a daemon shutting down fails the call
-        queued.append(shown)
+        queued.append(file.shown)
         total += len(ids)
     return WarmResult(workspace=workspace, queued=queued, skipped=skipped, prompt_tokens=total)

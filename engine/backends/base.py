@@ -134,14 +134,31 @@ class Backend:
 
 def build_trunk(model_class: type, args_class: Any, config: dict, weights: dict) -> nn.Module:
     """Instantiate mlx-lm's model for the trunk and load its (MTP-free) weights,
-    quantized layers included (engine/quantized.py)."""
-    model = model_class(args_class.from_dict(config))
+    quantized layers included (engine/quantized.py). Every family, the plain one included,
+    reads the config with its non-finite floats untagged."""
+    model = model_class(args_class.from_dict(untagged(config)))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     quantize_like_checkpoint(model, config, weights)
     model.load_weights(list(weights.items()), strict=True)
     materialize(model)
     return model
+
+
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def untagged(value: Any) -> Any:
+    """A copy of `value` (mlx-lm's ModelArgs keeps the caller's lists) with transformers'
+    tags for non-finite floats ({"__float__": "Infinity"}: how transformers 5 and mlx-lm save
+    them, JSON having none) made floats again."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _FLOAT_TAGS:
+            return _FLOAT_TAGS[value["__float__"]]
+        return {k: untagged(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [untagged(v) for v in value]
+    return value
 
 
 def load_head_weights(head: nn.Module, weights: dict[str, mx.array], prefix: str) -> None:

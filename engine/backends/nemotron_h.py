@@ -32,7 +32,6 @@ mixer's own call, as the forward ran it.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, cast
 
@@ -188,26 +187,10 @@ def load_head(trunk: nn.Module, blocks: tuple[str, ...], layers: list[dict]) -> 
     return head
 
 
-_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
-
-
-def untagged(value: Any) -> Any:
-    """`value` with transformers' tags for non-finite floats ({"__float__": "Infinity"},
-    how it and mlx-lm save `time_step_limit`'s upper bound) made floats again."""
-    if isinstance(value, dict):
-        if set(value) == {"__float__"} and value["__float__"] in _FLOAT_TAGS:
-            return _FLOAT_TAGS[value["__float__"]]
-        return {k: untagged(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [untagged(v) for v in value]
-    return value
-
-
 def load(folder: Path, config: dict, weights: dict) -> NemotronHBackend:
     trunk_weights, layers = split_numbered(weights, HEAD_PREFIX)
-    # A copy (mlx-lm's ModelArgs keeps the caller's lists), with non-finite floats untagged:
-    # a config saved by transformers 5 or mlx-lm (a converted folder) tags time_step_limit's inf.
-    trunk = build_trunk(nemotron_h.Model, nemotron_h.ModelArgs, untagged(copy.deepcopy(config)), trunk_weights)
+    # build_trunk untags time_step_limit's inf, which transformers 5 and mlx-lm save tagged.
+    trunk = build_trunk(nemotron_h.Model, nemotron_h.ModelArgs, config, trunk_weights)
     heads: list[nn.Module] = []
     if layers:
         try:

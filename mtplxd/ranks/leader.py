@@ -39,6 +39,17 @@ def lead(settings: Any, world: World, followers: list[subprocess.Popen]) -> tupl
     return engine, leader
 
 
+def launcher_note(leader: Leader | None) -> str:
+    """Why a signal may have come, for rank 0 of ranks mlx.launch started (`leader` None while
+    the ranks still meet): the launcher stops every rank with SIGTERM when one of them exits,
+    and rank 0 cannot see the others' processes to tell which."""
+    who = f"rank 0 of {leader.size}" if leader is not None else "rank 0"
+    known = f" (the ranks had already failed: {leader.failure})" if leader is not None and leader.failure else ""
+    return (f"{who} under mlx.launch{known}: the launcher also stops every rank this way when one of them "
+            "exits, so unless mtplxd was asked to stop, another rank failed (the launcher's output and that "
+            "rank's log say which)")
+
+
 class RanksFailed(Exception):
     """The ranks are no longer in step; str(e) says why."""
 

@@ -95,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
         start_args += ["--model", str(settings.model)]
     import anyio
 
-    shim = Shim(Upstream(settings.state_dir, settings.api_key, start_args), workspace)
+    # One limit for a message on either leg: the daemon refuses a larger /mcp body anyway.
+    shim = Shim(Upstream(settings.state_dir, settings.api_key, start_args), workspace, settings.max_body_bytes)
     try:
         anyio.run(shim.serve)
     except KeyboardInterrupt:
@@ -253,11 +254,12 @@ class Upstream:
 class Shim:
     """The stdio side: a low-level MCP server whose handlers relay to `Upstream`."""
 
-    def __init__(self, upstream: Upstream, workspace: str):
+    def __init__(self, upstream: Upstream, workspace: str, max_line_bytes: int):
         from mcp.server.lowlevel import Server
 
         self.upstream = upstream
         self.workspace = workspace
+        self.max_line_bytes = max_line_bytes
         self._workspace_tools: set[str] | None = None  # tools that take `workspace`
         self._agent: Any = None  # the agent's session, from its latest tool call: where its roots are asked
         upstream.list_roots = self.roots
@@ -287,7 +289,7 @@ class Shim:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.upstream.run)
             self.upstream.want()  # find or start the daemon while the agent initializes
-            async with stdio_transport() as (read, write):
+            async with stdio_transport(self.max_line_bytes) as (read, write):
                 await self.server.run(read, write, self.server.create_initialization_options())
             tg.cancel_scope.cancel()
 

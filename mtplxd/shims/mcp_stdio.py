@@ -1,6 +1,6 @@
 """The stdio transport of `mtplxd mcp`: newline-delimited JSON-RPC on this process's stdin/stdout.
 
-    async with stdio_transport() as (read, write):
+    async with stdio_transport(max_line_bytes) as (read, write):
         await server.run(read, write, server.create_initialization_options())
 
 It gives the MCP SDK's low-level `Server` what the SDK's own stdio transport gives it (a
@@ -12,6 +12,10 @@ wait forever for a reply):
 - a line that is not JSON (nor UTF-8): -32700, id null;
 - JSON that is not a JSON-RPC 2.0 message (a batch, no "jsonrpc": "2.0", a method that is
   not a string...): -32600, with the message's id when it is a string or a number, else null.
+
+- a line over `max_line_bytes` (the daemon's `max_body_bytes`: a longer message could not be
+  relayed to `/mcp` anyway): -32600, id null (the id is in the part never read). The line is
+  read and dropped a chunk at a time, so it never sits in memory whole.
 
 Either way a warning goes to stderr and the next line is served as usual. Blank lines are
 skipped: they carry no message to answer.
@@ -29,6 +33,7 @@ import math
 import os
 import threading
 from contextlib import asynccontextmanager, contextmanager, suppress
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, BinaryIO, Iterator
 
 import anyio
@@ -41,17 +46,27 @@ from mcp_types import INVALID_REQUEST, PARSE_ERROR, JSONRPCNotification, jsonrpc
 log = logging.getLogger("mtplxd.mcp")
 
 SHOWN_CHARS = 120  # of a bad line, in the warning
+SKIP_CHUNK_BYTES = 1 << 20  # an over-long line is read and dropped this much at a time
+
+
+@dataclass(frozen=True)
+class LineTooLong:
+    """What the reader hands on instead of a line over the limit: its length."""
+
+    size: int
+    limit: int
 
 
 @asynccontextmanager
-async def stdio_transport() -> AsyncIterator[tuple[Any, Any]]:
-    """(read, write) streams for `Server.run`, served on stdin/stdout until stdin ends."""
+async def stdio_transport(max_line_bytes: int) -> AsyncIterator[tuple[Any, Any]]:
+    """(read, write) streams for `Server.run`, served on stdin/stdout until stdin ends;
+    a line longer than `max_line_bytes` (its newline aside) is answered, never held."""
     with _claimed_stdio() as (wire_in, wire_out):
         wire = _Wire(wire_out)
         to_server, read = anyio.create_memory_object_stream[SessionMessage | Exception](0)
         write, from_server = anyio.create_memory_object_stream[SessionMessage](0)
-        lines_in, lines = anyio.create_memory_object_stream[bytes](0)
-        _start_reader(wire_in, lines_in)
+        lines_in, lines = anyio.create_memory_object_stream[bytes | LineTooLong](0)
+        _start_reader(wire_in, lines_in, max_line_bytes)
         with lines:  # closed at the end: the reader thread stops at its next line
             async with anyio.create_task_group() as reading:
                 reading.start_soon(_serve_lines, lines, to_server, wire)
@@ -89,14 +104,14 @@ class _Wire:
         self.out.flush()
 
 
-def _start_reader(wire_in: BinaryIO, lines_in: Any) -> None:
+def _start_reader(wire_in: BinaryIO, lines_in: Any, max_line_bytes: int) -> None:
     """Read stdin on a daemon thread (not one of anyio's worker threads): a read still
     blocked when serving ends must not keep the process alive."""
     token = anyio.lowlevel.current_token()
 
     def read() -> None:
         try:
-            while line := wire_in.readline():
+            while line := read_line(wire_in, max_line_bytes):
                 anyio.from_thread.run(lines_in.send, line, token=token)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, RuntimeError, OSError):
             pass  # serving ended first, the event loop is gone, or stdin failed: no more lines
@@ -107,10 +122,28 @@ def _start_reader(wire_in: BinaryIO, lines_in: Any) -> None:
     threading.Thread(target=read, name="mtplxd-mcp-stdin", daemon=True).start()
 
 
+def read_line(wire_in: BinaryIO, max_line_bytes: int) -> bytes | LineTooLong:
+    """The next line (b"" at the end of the input), or, for a line over the limit, its
+    length once it has been read past and dropped."""
+    line = wire_in.readline(max_line_bytes + 1)
+    if len(line) <= max_line_bytes or line.endswith(b"\n"):
+        return line
+    size = len(line)
+    del line  # never more than one limit's worth held
+    while (chunk := wire_in.readline(SKIP_CHUNK_BYTES)) and not chunk.endswith(b"\n"):
+        size += len(chunk)
+    return LineTooLong(size + len(chunk.rstrip(b"\r\n")), max_line_bytes)
+
+
 async def _serve_lines(lines: Any, to_server: Any, wire: _Wire) -> None:
     """Hand each valid message to the server; answer the others ourselves."""
     async with to_server:
         async for line in lines:
+            if isinstance(line, LineTooLong):
+                log.warning("stdin: a line of %d bytes, over the limit of %d; answered with error %d",
+                            line.size, line.limit, INVALID_REQUEST)
+                await wire.send(json.dumps(_error(None, INVALID_REQUEST, _too_long(line))))
+                continue
             if not line.strip():
                 continue
             message, error = _parse(line)
@@ -148,6 +181,11 @@ def _parse(line: bytes) -> tuple[Any, dict | None]:
         # ignored), which would leave the agent waiting: MCP ids are strings or integers.
         return None, _error(_usable_id(data), INVALID_REQUEST, 'Invalid Request: "id" must be a string or an integer')
     return message, None
+
+
+def _too_long(line: LineTooLong) -> str:
+    return (f"Invalid Request: a line of {line.size:,} bytes is over the limit of {line.limit:,} bytes "
+            "(the max_body_bytes setting); it was dropped")
 
 
 def _no_constant(name: str) -> Any:

@@ -19,7 +19,9 @@ from tests.checkpoints import write
 from tests.daemon_fixture import running_daemon
 
 KEY = "sk-hostile"
-LIMIT = 2**20  # over the 600 KB of the 100,000-deep bodies, which must get a 400
+# Over the 600 KB of the 100,000-deep bodies, which must get a 400, and over the MCP SDK's own
+# 4 MiB limit, which must not answer first.
+LIMIT = 5 * 2**20
 DEEP = 100_000
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
@@ -151,6 +153,16 @@ def test_hostile_mcp_bodies(http, client, name, body, status):
     r = http.post(MCP, content=body, headers={"Content-Type": "application/json", **MCP_HEADERS})
     assert assert_error_form(MCP, r, status)
     still_serving(client)
+
+
+def test_mcp_bodies_under_the_limit_are_served_whatever_the_sdk_default(http):
+    """A 4.5 MiB `initialize` (over the MCP SDK's default of 4 MiB, under max_body_bytes) is
+    served: one limit, the daemon's (before: a plain-text 413 from the SDK)."""
+    params = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "big", "version": "0"},
+              "_meta": {"pad": "a" * (9 * 2**19)}}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}).encode()
+    r = http.post(MCP, content=body, headers={"Content-Type": "application/json", **MCP_HEADERS})
+    assert r.status_code == 200 and '"serverInfo"' in r.text, r.text[:500]
 
 
 def test_a_chunked_body_over_the_limit_is_cut_off(http, client):

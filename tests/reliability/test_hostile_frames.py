@@ -4,11 +4,13 @@
   -32700 parse error with id null; JSON that is not a JSON-RPC message gets -32600 with the
   message's id when it has a usable one (else null); only JSON-RPC reaches stdout, the warning
   goes to stderr, and the next valid request (`initialize` first, then `ping` / `tools/list`)
-  is answered.
+  is answered. A line over the limit (max_body_bytes) gets -32600 and is dropped as it streams
+  in, the shim's memory bounded.
 - `mtplxd lsp` (the byte-for-byte bridge to the daemon's LSP socket): raw LSP frames. A
   Content-Length that is not a byte count, or none at all, loses the framing: one framed
   -32700 error (id null), then the end of the stream. A body over the daemon's limit keeps the
-  framing: -32600, and the same connection goes on serving; so does a body that is not JSON.
+  framing: -32600, and the same connection goes on serving; so does a body that is not JSON,
+  and a message with a header line over the limit (skipped as an oversized body is).
 
 One real daemon (a tiny MiMo checkpoint) serves the whole module; the last two tests connect
 the SDK's MCP client and pygls' LanguageClient to it, as agents and editors do.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.lsp.transport import MAX_MESSAGE_BYTES
+from adapters.lsp.transport import MAX_HEADER_LINE_BYTES, MAX_MESSAGE_BYTES
 from tests.checkpoints import write
 from tests.daemon_fixture import daemon_env, mtplxd_command, running_daemon, stop_process
 
@@ -227,6 +229,41 @@ def test_mcp_stdio_answers_invalid_messages_with_their_id(state_dir, tmp_path):
     assert warnings.count(str(INVALID_REQUEST)) == len(NOT_JSON_RPC), warnings
 
 
+def peak_rss(pid: int) -> int:
+    """The process's peak resident memory so far, bytes (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_mcp_stdio_answers_an_over_long_line_in_bounded_memory(state_dir, tmp_path):
+    """A 256 MiB line (16 times the default limit, max_body_bytes) is answered with -32600 and
+    dropped as it streams in: the shim's peak memory grows by less than 64 MiB (before: the
+    line was held whole, 1,097 MiB at peak)."""
+    client = shim(state_dir, tmp_path)
+    try:
+        for turn in range(3):  # initialized, connected to the daemon, tools listed
+            check_still_serving(client, turn)
+        before = peak_rss(client.process.pid)
+        size = 256 * 2**20
+        chunk = b"a" * 2**20
+        client.send(b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"pad":"')
+        for _ in range(size // len(chunk)):
+            client.send(chunk)
+        client.send(b'"}}\n')
+        message = assert_error(client.reply(), INVALID_REQUEST, None)
+        assert "over the limit of 16,777,216 bytes" in message, message
+        grown = peak_rss(client.process.pid) - before
+        assert grown < 64 * 2**20, f"peak memory grew by {grown / 2**20:.0f} MiB"
+        for turn in range(3, 5):
+            check_still_serving(client, turn)
+        warnings = client.errors()
+    finally:
+        assert client.close() == 0
+    assert "over the limit" in warnings, warnings
+
+
 # -- LSP through the bridge ------------------------------------------------------------------
 
 
@@ -234,7 +271,8 @@ def test_mcp_stdio_answers_invalid_messages_with_their_id(state_dir, tmp_path):
     (b"Content-Length: abc\r\n\r\n{}", "abc"),
     (b"Content-Length: -5\r\n\r\n", "-5"),
     (b"Content-Type: application/vscode-jsonrpc; charset=utf-8\r\n\r\n{}", "Content-Length"),
-], ids=["non-numeric", "negative", "missing"])
+    (b"X-Long: " + b"a" * 2**20 + b"\r\n\r\n{}", "over the limit"),
+], ids=["non-numeric", "negative", "missing", "missing after an over-long line"])
 def test_lsp_lost_framing_gets_one_parse_error_then_the_end(state_dir, frame, named):
     client = bridge(state_dir)
     try:
@@ -258,6 +296,22 @@ def test_lsp_oversized_message_is_skipped_and_the_connection_kept(state_dir):
         message = assert_error(client.reply(), INVALID_REQUEST, None)
         assert str(size) in message and str(MAX_MESSAGE_BYTES) in message, message
         result = client.request(1, "initialize", {"processId": None, "rootUri": None, "capabilities": {}})
+        assert "capabilities" in result
+    finally:
+        client.close()
+
+
+def test_lsp_over_long_header_line_is_skipped_and_the_connection_kept(state_dir):
+    """An 8 MiB header line, then a Content-Length: the framing holds, so the message is
+    skipped with -32600 naming the header limit, and the connection goes on."""
+    client = bridge(state_dir)
+    try:
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}).encode()
+        long_line = b"X-Long: " + b"a" * (8 * 2**20) + b"\r\n"
+        client.send(long_line + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        message = assert_error(client.reply(), INVALID_REQUEST, None)
+        assert "header line" in message and f"limit of {MAX_HEADER_LINE_BYTES} bytes" in message, message
+        result = client.request(2, "initialize", {"processId": None, "rootUri": None, "capabilities": {}})
         assert "capabilities" in result
     finally:
         client.close()

@@ -14,6 +14,10 @@ the SDK's default mode (`auto`, roots then travel in input_required rounds), the
 from __future__ import annotations
 
 import contextlib
+import json
+import threading
+import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
@@ -274,3 +278,129 @@ async def test_a_refused_call_is_not_a_protocol_error(daemon, folders):
             await session.call_tool("fim_complete", {"workspace": str(folders.outside), "prefix": "x"})
         except MCPError as e:  # pragma: no cover - the failure being guarded against
             pytest.fail(f"a protocol error instead of a tool error: {e}")
+
+
+# -- the sessions resource -------------------------------------------------------------------
+
+
+def sessions_uri(folder: Path | str) -> str:
+    return "mtplxd://sessions/" + urllib.parse.quote(str(folder), safe="")
+
+
+async def resource_refused(session: Client, folder: Path | str) -> str:
+    with pytest.raises(MCPError) as refusal:
+        await session.read_resource(sessions_uri(folder))
+    return refusal.value.message
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_the_sessions_resource_answers_only_for_allowed_folders(daemon, folders, mode):
+    """The figures of a folder this client may not use (`/etc`, a folder outside its roots, a
+    symlink out of them) are refused as a tool call naming it would be (before: any folder
+    answered with its counts). The client's roots are asked as tools ask them: over the
+    back-channel (`legacy`), in an input_required round (`auto`)."""
+    fresh = folders.root / f"fresh-{mode}"  # never named by a call before
+    fresh.mkdir(exist_ok=True)
+    roots = Roots(folders.root)
+    async with http(daemon, mode, roots) as session:
+        for folder in ("/etc", folders.outside, folders.link_out):
+            assert_explains(await resource_refused(session, folder), folder)
+        figures = json.loads((await session.read_resource(sessions_uri(fresh))).contents[0].text)
+        assert figures["workspace"] == str(fresh) and figures["jobs"] == 0
+        configured = json.loads((await session.read_resource(sessions_uri(folders.configured))).contents[0].text)
+        assert configured["workspace"] == str(folders.configured)
+        await fim(session, folders.project)
+        figures = json.loads((await session.read_resource(sessions_uri(folders.project))).contents[0].text)
+        assert figures["workspace"] == str(folders.project) and figures["jobs"] >= 1
+    assert roots.asked >= 1
+
+
+async def test_the_sessions_resource_over_the_stdio_shim(daemon, folders, tmp_path):
+    async with stdio(daemon, tmp_path) as session:  # the shim declares its working directory
+        assert json.loads((await session.read_resource(sessions_uri(tmp_path))).contents[0].text)["jobs"] == 0
+        assert_explains(await resource_refused(session, folders.outside), folders.outside)
+
+
+# -- a folder swapped for a symlink while calls read ------------------------------------------
+
+INSIDE, OUTSIDE = "x = 1\n", "SECRET = 'outside the workspace'\n" * 400
+RACE_S = 3.0
+
+
+@contextlib.contextmanager
+def swapping(folder: Path, elsewhere: Path):
+    """A thread that, in a loop until the block ends, swaps `folder` for a symlink to
+    `elsewhere` and back: what an attacker with write access to the workspace would race."""
+    stop = threading.Event()
+    swaps = [0]
+
+    def swap() -> None:
+        kept = folder.with_name(folder.name + ".real")
+        while not stop.is_set():
+            folder.rename(kept)
+            folder.symlink_to(elsewhere, target_is_directory=True)
+            folder.unlink()
+            kept.rename(folder)
+            swaps[0] += 1
+
+    thread = threading.Thread(target=swap, daemon=True)
+    thread.start()
+    try:
+        yield swaps
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+@pytest.fixture
+def race(tmp_path) -> tuple[Path, Path]:
+    """A workspace whose `sub/mod.py` is a short file, and an outside folder whose `mod.py`,
+    at the same relative path, is a long secret."""
+    workspace, outside = tmp_path / "ws", tmp_path / "outside"
+    (workspace / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (workspace / "sub" / "mod.py").write_text(INSIDE)
+    (outside / "mod.py").write_text(OUTSIDE)
+    return workspace, outside
+
+
+async def test_a_folder_swapped_for_a_symlink_is_never_followed(race):
+    """`resolve_path` checks, then the read opens each component with O_NOFOLLOW from a folder
+    descriptor: every read is the inside file or a refusal, never the outside one."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from adapters.mcp.paths import Folder, read_text, resolve_path
+
+    workspace, outside = race
+    folder = Folder(str(workspace), str(workspace))
+    read, refused_reads = 0, 0
+    with swapping(workspace / "sub", outside) as swaps:
+        deadline = time.monotonic() + RACE_S
+        while time.monotonic() < deadline:
+            try:
+                assert read_text(resolve_path(folder, "sub/mod.py")) == INSIDE
+                read += 1
+            except ToolError:
+                refused_reads += 1
+    assert swaps[0] > 100 and read > 0 and refused_reads > 0, (swaps, read, refused_reads)
+
+
+async def test_calls_racing_a_symlink_swap_never_read_outside(daemon, race):
+    """The same race through the real client: fim_complete on the file while its folder is
+    swapped; the long outside file would show in the prompt's token count."""
+    workspace, outside = race
+    async with http(daemon, roots=Roots(workspace)) as session:
+        inside_tokens = (await fim(session, workspace, "sub/mod.py"))["usage"]["prompt_tokens"]
+        outcomes = {"read": 0, "refused": 0}
+        with swapping(workspace / "sub", outside):
+            deadline = time.monotonic() + RACE_S
+            while time.monotonic() < deadline:
+                result = await session.call_tool("fim_complete", {"workspace": str(workspace), "path": "sub/mod.py",
+                                                                  "line": 0, "character": 2, "max_tokens": 1})
+                if result.is_error:
+                    outcomes["refused"] += 1
+                    assert "SECRET" not in result.content[0].text
+                else:
+                    outcomes["read"] += 1
+                    assert result.structured_content["usage"]["prompt_tokens"] == inside_tokens
+    assert outcomes["read"] + outcomes["refused"] >= 10, outcomes

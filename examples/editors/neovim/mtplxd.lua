@@ -3,7 +3,8 @@
 -- Neovim 0.12+: inline completion (ghost text); <Tab> accepts, <M-]> / <M-[> cycle.
 -- Neovim 0.11:  the plain completion path (`vim.lsp.completion`, popup menu), auto-triggered
 --               after . ( [ { , : = and space; <C-x><C-o> asks at any time.
--- Neovim 0.8-0.10: the same server through `vim.lsp.start` and the omnifunc (<C-x><C-o>).
+-- Neovim 0.7-0.10: the same server through `vim.lsp.start` (0.7: `vim.lsp.start_client`)
+--               and the omnifunc (<C-x><C-o>).
 --
 -- The server picks what it offers from the client's capabilities: inline completion when
 -- Neovim declares it, else `textDocument/completion`. `mtplxd lsp` starts the daemon if none
@@ -51,18 +52,46 @@ if vim.fn.has('nvim-0.11') == 1 then
   })
   vim.lsp.enable('mtplxd')
 else
+  local markers = { '.git', 'pyproject.toml', 'package.json' }
+
+  local function root_of(name) -- vim.fs is 0.8+; findfile/finddir search upward with ';'
+    local dir = vim.fn.fnamemodify(name, ':p:h')
+    if vim.fs then
+      local marker = vim.fs.find(markers, { upward = true, path = dir })[1]
+      return marker and vim.fs.dirname(marker) or vim.fn.getcwd()
+    end
+    for _, marker in ipairs(markers) do
+      local found = marker == '.git' and vim.fn.finddir(marker, dir .. ';') or vim.fn.findfile(marker, dir .. ';')
+      if found ~= '' then
+        return vim.fn.fnamemodify(found, ':p'):gsub('/$', ''):match('^(.*)/[^/]*$')
+      end
+    end
+    return vim.fn.getcwd()
+  end
+
+  local clients = {} -- 0.7: one client per root, attached to each of its buffers
+  local function start(bufnr, config)
+    if vim.lsp.start then
+      return vim.lsp.start(config) -- reuses the client of the same name and root
+    end
+    local id = clients[config.root_dir]
+    if id == nil or vim.lsp.client_is_stopped(id) then
+      id = vim.lsp.start_client(config)
+      clients[config.root_dir] = id
+    end
+    vim.lsp.buf_attach_client(bufnr, id)
+  end
+
   vim.api.nvim_create_autocmd('FileType', {
     group = vim.api.nvim_create_augroup('mtplxd', { clear = true }),
     callback = function(args)
       if vim.bo[args.buf].buftype ~= '' then
         return
       end
-      local name = vim.api.nvim_buf_get_name(args.buf)
-      local marker = vim.fs.find({ '.git', 'pyproject.toml', 'package.json' }, { upward = true, path = vim.fs.dirname(name) })[1]
-      vim.lsp.start({
+      start(args.buf, {
         name = 'mtplxd',
         cmd = cmd,
-        root_dir = marker and vim.fs.dirname(marker) or vim.fn.getcwd(),
+        root_dir = root_of(vim.api.nvim_buf_get_name(args.buf)),
         init_options = init_options,
         on_attach = on_attach,
       })
