@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from engine.backends.draft_vocab import DRAFT_VOCAB_KEY
 from engine.backends.descriptors import inspect_checkpoint
 from engine.backends.mimo import MTPLayer
 from engine.engine import Engine, load_tokenizer
@@ -284,13 +285,18 @@ def test_heads_only_on_a_mimo_trunk(corpus, tmp_path):
     assert (report.family, report.status, report.mtp_heads) == ("mimo", "supported", 2)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
-    assert set(load_file(str(out / "mtp.safetensors"))) == {
+    sidecar = load_file(str(out / "mtp.safetensors"))
+    assert set(sidecar) == {
         k for k in load_file(str(write("mimo", tmp_path / "ref", mtp_heads=2) / "model.safetensors"))
         if k.startswith("model.mtp_layers.")
-    }
+    } | {DRAFT_VOCAB_KEY}
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
 
     eng = Engine.load(out)
+    # the heads score the tokens they were trained on: the corpus's, a subset of the vocabulary
+    draft_ids = sidecar[DRAFT_VOCAB_KEY].tolist()
+    assert eng.backend.draft_vocab is not None and eng.backend.draft_vocab.ids.tolist() == draft_ids
+    assert 0 < len(draft_ids) <= eng.backend.trunk.args.vocab_size and draft_ids == sorted(set(draft_ids))
     _assert_mtp_is_ar(eng, PROMPTS[1], 16)
     trained = measure_acceptance(eng, PROMPTS, depth=2, n_tokens=32)
     mx.random.seed(1)
@@ -364,7 +370,9 @@ def test_replace_heads_distils_a_mimo_checkpoints_own_heads(corpus, tmp_path):
     assert all(np.array_equal(v, original[k]) for k, v in trunk.items())
     heads = load_file(str(out / "mtp.safetensors"))
     old_heads = {k: v for k, v in original.items() if k.startswith("model.mtp_layers.")}
-    assert set(heads) == set(old_heads)
+    # the distilled heads learnt against the corpus's draft vocabulary, which they ship with
+    assert set(heads) == set(old_heads) | {DRAFT_VOCAB_KEY}
+    del heads[DRAFT_VOCAB_KEY]
     # It started from the old heads: two Adam steps at a learning rate of 1e-9 move a weight
     # by about 2e-9, a few float32 epsilons of these weights' magnitude.
     for k, v in heads.items():

@@ -25,6 +25,7 @@ from mlx_lm.models import mimo
 from mlx_lm.models.base import create_attention_mask, create_causal_mask, scaled_dot_product_attention
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
+from engine.backends.draft_vocab import DRAFT_VOCAB_KEY, DraftVocabulary
 from engine.backends.decode_ops import RopeTable, apply_rope, cpu_attention, grouped_mask, swiglu
 from engine.distributed import ShardingError, shard_attention, shard_mlp
 
@@ -104,8 +105,10 @@ def block_output(block: nn.Module, x: mx.array, attended: mx.array) -> mx.array:
 class MiMoBackend(Backend):
     family = "mimo"
 
-    def __init__(self, trunk: mimo.Model, heads: list[MTPLayer]):
+    def __init__(self, trunk: mimo.Model, heads: list[MTPLayer], draft_ids: mx.array | None = None):
         super().__init__(trunk, cast("list[nn.Module]", heads))
+        # Heads trained against a draft vocabulary score only its rows (draft_vocab.py).
+        self.draft_vocab = DraftVocabulary(draft_ids, trunk.args.vocab_size) if draft_ids is not None else None
         args = trunk.args
         rope = trunk.model.layers[0].self_attn.rope
         head_dim = args.hidden_size // args.num_attention_heads
@@ -135,7 +138,10 @@ class MiMoBackend(Backend):
         head = self.heads[k]
         embeds = self.trunk.model.embed_tokens(tokens)
         x = self._step("fuse", head, head.fuse, hidden.shape[1])(hidden, embeds)
-        return self._output(head.final_layernorm, self._run([head], x, [cache]), last)
+        x = self._run([head], x, [cache])
+        if self.draft_vocab is None:
+            return self._output(head.final_layernorm, x, last)
+        return self._draft_output(head.final_layernorm, x, last)
 
     def _run(self, blocks: list[nn.Module], x: mx.array, caches: list) -> mx.array:
         """x [B, L, D] through the blocks, each with its own cache."""
@@ -187,9 +193,24 @@ class MiMoBackend(Backend):
             h = norm(x)
             return self._lm_head(h[:, -1:] if last else h), h
 
-        lm_head = self.trunk.model.embed_tokens if self.trunk.args.tie_word_embeddings else self.trunk.lm_head
+        lm_head = self._lm_head_layer()
         name = "output_last" if last else "output"
         return self._step(name, norm, output, x.shape[1], [norm.state, lm_head.state])(x)
+
+    def _draft_output(self, norm: nn.Module, x: mx.array, last: bool) -> tuple[mx.array, mx.array]:
+        """_output for a head with a draft vocabulary: its rows only, -inf elsewhere."""
+        draft = cast(DraftVocabulary, self.draft_vocab)
+        draft.follow(self._lm_head_layer())
+
+        def output(x: mx.array) -> tuple[mx.array, mx.array]:
+            h = norm(x)
+            return draft.logits(h[:, -1:] if last else h), h
+
+        name = "draft_last" if last else "draft"
+        return self._step(name, norm, output, x.shape[1], [norm.state, draft.rows])(x)
+
+    def _lm_head_layer(self) -> nn.Module:
+        return self.trunk.model.embed_tokens if self.trunk.args.tie_word_embeddings else self.trunk.lm_head
 
     def _lm_head(self, h: mx.array) -> mx.array:
         if self.trunk.args.tie_word_embeddings:
@@ -215,6 +236,7 @@ def head_count(weights: dict) -> int:
 
 
 def load(folder: Path, config: dict, weights: dict) -> MiMoBackend:
+    draft_ids = weights.pop(DRAFT_VOCAB_KEY, None)
     n_heads = head_count(weights)
     trunk_weights = {k: v for k, v in weights.items() if not k.startswith(HEAD_PREFIX)}
     trunk = build_trunk(mimo.Model, mimo.ModelArgs, config, trunk_weights)
@@ -223,4 +245,4 @@ def load(folder: Path, config: dict, weights: dict) -> MiMoBackend:
         head = MTPLayer(trunk.args)
         load_head_weights(head, weights, f"{HEAD_PREFIX}{i}.")
         heads.append(head)
-    return MiMoBackend(cast(mimo.Model, trunk), heads)
+    return MiMoBackend(cast(mimo.Model, trunk), heads, draft_ids if heads else None)

@@ -55,6 +55,7 @@ from mlx_lm.models.cache import KVCache
 
 from engine.backends.base import Backend
 from engine.backends.descriptors import InspectReport, head_key_predicate, inspect_checkpoint, mlx_model_type
+from engine.backends.draft_vocab import DRAFT_VOCAB_KEY
 from engine.backends.mimo import HEAD_PREFIX
 from engine.checkpoint import (
     CheckpointError, read_config, read_header, text_config, weight_keys, write_safetensors_subset,
@@ -545,7 +546,9 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corp
     def write_model() -> None:
         names = {f"{HEAD_PREFIX}{i}.{k}": v for i, layer in enumerate(model.mtp_layers)
                  for k, v in cast(list[tuple[str, mx.array]], tree_flatten(layer.parameters()))}
-        save_safetensors(out / SIDECAR, names, dtype)
+        # the heads learnt to score these tokens only: at decode time they read only these
+        # rows of the LM head (engine/backends/draft_vocab.py)
+        save_safetensors(out / SIDECAR, {**names, DRAFT_VOCAB_KEY: vocab}, dtype)
 
     evaluate = None
     if held_outputs is not None:

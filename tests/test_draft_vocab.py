@@ -1,0 +1,107 @@
+"""A draft vocabulary (engine/backends/draft_vocab.py): heads shipped with the ids of the
+tokens they were trained on score only those rows of the LM head.
+
+The rows equal the LM head's, plain or quantized, and follow it when the engine unpacks
+it; a MiMo checkpoint whose sidecar holds the ids loads with them; its heads never draft
+outside them; greedy MTP keeps AR's tokens; sampled MTP keeps the trunk's exact
+distribution (the chi-square of tests/test_engine_exactness.py), and the same test fails
+with a broken acceptance rule while the draft vocabulary is on.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import engine.generation
+from engine.backends.draft_vocab import DRAFT_VOCAB_KEY, DraftVocabulary
+from engine.engine import Engine
+from tests.checkpoints import write
+from tests.engine_helpers import assert_greedy_agree, greedy, run
+from tests.floats import FEW_OPS_ULPS, assert_close
+from tests.test_engine_exactness import (
+    PROMPT, SAMPLERS, broken_verify, chi_square_pvalue, exact_joint, sampled_counts,
+)
+
+IDS = [1, 2, 3, 5, 8, 9, 10, 11, 13]  # of the fixture's 16 tokens
+
+
+def test_rows_equal_the_lm_head_plain_and_quantized():
+    ids = mx.array([0, 3, 17, 40, 63])
+    h = mx.random.normal((2, 3, 64), key=mx.random.key(1))
+    for layer in (nn.Linear(64, 64, bias=False), nn.QuantizedLinear(64, 64, bias=False, group_size=32, bits=4)):
+        draft = DraftVocabulary(ids, 64)
+        draft.follow(layer)
+        got, full = draft.logits(h), layer(h)
+        outside = np.setdiff1d(np.arange(64), np.array(ids))
+        assert bool(mx.all(mx.isinf(got[..., mx.array(outside)])).item())
+        # the same products, one matmul over fewer rows: equal within a few roundings
+        assert_close(got[..., ids], full[..., ids], FEW_OPS_ULPS, "draft rows")
+    compiled = mx.compile(lambda x: draft.logits(x), inputs=draft.rows)
+    assert bool(mx.array_equal(compiled(h), draft.logits(h)).item())
+
+
+def test_rows_follow_the_lm_head_when_it_is_replaced():
+    layer = nn.Linear(8, 16, bias=False)
+    draft = DraftVocabulary(mx.array([2, 7]), 16)
+    draft.follow(layer)
+    before = draft.rows["weight"]
+    draft.follow(layer)
+    assert draft.rows["weight"] is before  # the same weight: nothing taken again
+    layer.weight = layer.weight * 2
+    draft.follow(layer)
+    assert bool(mx.array_equal(draft.rows["weight"], layer.weight[mx.array([2, 7])]).item())
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """The MiMo fixture (vocabulary 16), its heads in a sidecar with the draft ids beside them."""
+    out = write("mimo", tmp_path / "mimo", mtp_heads=2, sidecar=True, n_chars=9)
+    sidecar = out / "mtp.safetensors"
+    heads = mx.load(str(sidecar))
+    mx.save_safetensors(str(sidecar), {**heads, DRAFT_VOCAB_KEY: mx.array(IDS, dtype=mx.int32)})
+    return out
+
+
+def test_heads_draft_only_inside_the_vocabulary(folder):
+    engine_ = Engine.load(folder)
+    backend = engine_.backend
+    assert backend.draft_vocab is not None and backend.draft_vocab.ids.tolist() == IDS
+    drafted_logits = []
+    head = backend.head
+
+    def recording(*args, **kwargs):
+        logits, hidden = head(*args, **kwargs)
+        drafted_logits.append(logits)
+        return logits, hidden
+
+    backend.head = recording
+    prompt = list(PROMPT) * 3
+    mtp, _, results = run(engine_, prompt, mode="mtp", depth=2, sampler=greedy(), max_tokens=24)
+    backend.head = head
+    ar, _, _ = run(engine_, prompt, mode="ar", sampler=greedy(), max_tokens=24)
+    assert sum(r.drafted for r in results) > 0 and drafted_logits
+    outside = mx.array(np.setdiff1d(np.arange(16), IDS))
+    for logits in drafted_logits:
+        assert bool(mx.all(mx.isinf(logits[..., outside])).item())
+        assert set(logits.argmax(axis=-1).reshape(-1).tolist()) <= set(IDS)
+    assert_greedy_agree(backend, prompt, ar, mtp)
+
+
+def _pvalue(folder, sampler_name: str, n: int) -> float:
+    engine_ = Engine.load(folder)
+    sampler = SAMPLERS[sampler_name]
+    joint = exact_joint(engine_.backend, sampler)
+    return chi_square_pvalue(joint, sampled_counts(engine_, sampler, n), n)
+
+
+@pytest.mark.parametrize("sampler_name", list(SAMPLERS))
+def test_output_distribution_stays_exact(folder, sampler_name):
+    assert _pvalue(folder, sampler_name, n=800) > 1e-3
+
+
+def test_negative_control_fails_with_the_draft_vocabulary(folder, monkeypatch):
+    monkeypatch.setattr(engine.generation, "compiled_verify", broken_verify)
+    assert _pvalue(folder, "t1.0", n=800) < 1e-6
