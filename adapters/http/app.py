@@ -98,7 +98,7 @@ def create_app(runtime: Runtime, settings: Settings) -> Starlette:
         *session_routes(runtime),
         *anthropic_routes(api),
         *status_routes(StatusBoard(runtime)),
-        *page_routes(),
+        *page_routes(settings.api_key is not None),
     ]
     middleware = [  # outermost first: refusals are counted too; CORS preflights need no key
         Middleware(RequestCounter, metrics=metrics),

@@ -5,7 +5,8 @@
 
 Nothing to build: plain HTML, CSS and JavaScript, the plots drawn on canvas. The files
 are open without the API key (a browser cannot send a header when it navigates); the
-page then asks for the key and sends it on every API call it makes. The Content-Security-
+page, told by a meta tag whether the daemon has one, asks for the key before its first
+call and sends it on every call it makes. The Content-Security-
 Policy allows this origin only, so the page works offline and loads nothing from
 elsewhere.
 """
@@ -34,21 +35,20 @@ def is_page_path(path: str) -> bool:
     return path == "/" or (path.startswith(PAGE_PREFIX) and path[len(PAGE_PREFIX):] in FILES)
 
 
-def page_routes() -> list[Route]:
-    return [Route("/", _index, methods=["GET"]), Route(PAGE_PREFIX + "{name}", _file, methods=["GET"])]
+def page_routes(api_key_set: bool) -> list[Route]:
+    async def index(request: Request) -> Response:
+        body = _read("index.html").replace(b"__AUTH__", b"key" if api_key_set else b"none")
+        return Response(body, media_type=FILES["index.html"], headers=HEADERS)
 
-
-async def _index(request: Request) -> Response:
-    return _serve("index.html")
+    return [Route("/", index, methods=["GET"]), Route(PAGE_PREFIX + "{name}", _file, methods=["GET"])]
 
 
 async def _file(request: Request) -> Response:
     name = request.path_params["name"]
     if name not in FILES:
         return Response("not found", status_code=404, media_type="text/plain")
-    return _serve(name)
+    return Response(_read(name), media_type=FILES[name], headers=HEADERS)
 
 
-def _serve(name: str) -> Response:
-    body = resources.files("adapters.http").joinpath("page", name).read_bytes()
-    return Response(body, media_type=FILES[name], headers=HEADERS)
+def _read(name: str) -> bytes:
+    return resources.files("adapters.http").joinpath("page", name).read_bytes()

@@ -31,7 +31,13 @@ $("key-form").addEventListener("submit", (e) => {
   $("key-input").value = "";
   $("key-form").hidden = true;
   state.retries = 0;
+  // A daemon with an API key: ask for it before the first call (no refused request first).
+if (document.querySelector('meta[name="mtplxd-auth"]').content === "key" && !sessionStorage.getItem(KEY_STORE)) {
+  setConn("down", "needs API key");
+  askForKey();
+} else {
   connect();
+}
 });
 
 // -- server-sent events over fetch ----------------------------------------------------
@@ -331,4 +337,10 @@ function bytes(n) {
   return (i ? n.toFixed(1) : n) + " " + units[i];
 }
 
-connect();
+// A daemon with an API key: ask for it before the first call (no refused request first).
+if (document.querySelector('meta[name="mtplxd-auth"]').content === "key" && !sessionStorage.getItem(KEY_STORE)) {
+  setConn("down", "needs API key");
+  askForKey();
+} else {
+  connect();
+}
