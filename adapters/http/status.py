@@ -20,6 +20,7 @@ document itself is built once a second per subscriber, on the event loop.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -200,9 +201,9 @@ def status_routes(board: StatusBoard) -> list[Route]:
 
 
 async def _documents(board: StatusBoard) -> AsyncIterator[dict]:
-    """The stream: one document a second until the client goes (sse-starlette cancels us)."""
-    import json
-
+    """The stream: one document a second until the client goes (sse-starlette cancels
+    us) or the daemon stops (the last document says "stopping": a stream left open would
+    hold the server's shutdown up)."""
     last = -1
     while True:
         body = await board.document()
@@ -210,4 +211,6 @@ async def _documents(board: StatusBoard) -> AsyncIterator[dict]:
         body["history" if last < 0 else "points"] = points
         last = points[-1]["t"] if points else int(board.clock()) - 1
         yield {"event": "status", "data": json.dumps(body)}
+        if body["state"] in ("stopping", "stopped"):
+            return
         await anyio.sleep(PERIOD_S)

@@ -218,6 +218,10 @@ function plot(id, times, series, fixedMax) {
       pen = true;
     });
     g.stroke();
+    g.fillStyle = COLORS[i % COLORS.length];
+    s.values.forEach((v, j) => {  // a lone point (one busy second) has no line: a dot
+      if (v != null && s.values[j - 1] == null && s.values[j + 1] == null) g.fillRect(x(times[j]) - 1.5, y(v) - 1.5, 3, 3);
+    });
     if (series.length > 1) { g.fillStyle = COLORS[i % COLORS.length]; g.fillText(s.label, left + 6 + i * 80, top + 10); }
   });
 }
@@ -327,7 +331,7 @@ function tr(cells) { const row = document.createElement("tr"); row.append(...cel
 function num(id) { const v = $(id).value; return v === "" ? null : Number(v); }
 function pct(v) { return v == null ? "—" : (100 * v).toFixed(0) + "%"; }
 function secs(v) { return v < 1 ? (1000 * v).toFixed(0) + " ms" : v.toFixed(1) + " s"; }
-function short(v) { return v >= 1000 ? (v / 1000).toFixed(1) + "k" : (Math.round(v * 100) / 100).toString(); }
+function short(v) { return v >= 1000 ? (v / 1000).toFixed(1) + "k" : v === 0 ? "0" : Number(v.toPrecision(2)).toString(); }
 function duration(s) { s = Math.floor(s || 0); return s >= 3600 ? Math.floor(s / 3600) + "h " + Math.floor(s / 60) % 60 + "m" : Math.floor(s / 60) + "m " + (s % 60) + "s"; }
 function bytes(n) {
   if (n == null) return "—";
