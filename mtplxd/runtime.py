@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # annotations only: importing the adapters never loads MLX or
 
 # (the job's entry: its `.request`; the event) on the scheduler's worker thread
 Listener = Callable[[Any, Event], None]
+MAX_PROGRESS = 256  # jobs' counters kept before those of ended jobs are dropped
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ class Runtime:
         if client:
             with self._progress_lock:
                 self._progress.setdefault(ticket.id, _Progress()).client = client
+        if len(self._progress) > MAX_PROGRESS:  # cancelled jobs end without an event: forget them
+            self.jobs()
         if isinstance(request, TextRequest) and request.workspace and self._workspaces is not None:
             self._workspaces.register(request.workspace)
         return ticket

@@ -6,6 +6,7 @@ tests/test_page.py."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from typing import Iterator
@@ -14,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.daemon_fixture import running_daemon
+from tests.daemon_fixture import daemon_env, mtplxd_command, running_daemon
 
 KEY = "status-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -142,3 +143,34 @@ def test_jobs_show_a_running_stream_with_its_client_and_tokens(daemon, http):
     while http.get("/v1/status").json()["jobs"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert http.get("/v1/status").json()["jobs"] == []
+
+
+def test_status_prints_the_page_and_open_hands_it_to_the_browser(daemon, tmp_path):
+    command = [*mtplxd_command()]
+    status = subprocess.run([*command, "status", "--state-dir", str(daemon.state_dir)], env=daemon_env(),
+                            capture_output=True, text=True, timeout=30)
+    assert f"page: {daemon.base_url}/" in status.stdout
+    opened = tmp_path / "opened"
+    browser = tmp_path / "browser.sh"  # webbrowser runs $BROWSER with the address
+    browser.write_text(f'#!/bin/sh\necho "$1" > {opened}\n')
+    browser.chmod(0o755)
+    run = subprocess.run([*command, "open", "--state-dir", str(daemon.state_dir)],
+                         env=daemon_env({"BROWSER": str(browser)}), capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    deadline = time.monotonic() + 10
+    while not opened.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert opened.read_text().strip() == daemon.base_url + "/"
+    gone = subprocess.run([*command, "open", "--state-dir", str(tmp_path / "none")], env=daemon_env(),
+                          capture_output=True, text=True, timeout=30)
+    assert gone.returncode == 3 and "not running" in gone.stderr
+
+
+def test_token_sources_of_one_step():
+    from mtplxd.requests import token_sources
+
+    assert token_sources(3, [True, True]) == (1, 2, 0)  # both drafts accepted, then the bonus token
+    assert token_sources(2, [True, False]) == (1, 0)  # the second draft rejected: the trunk's correction
+    assert token_sources(1, [False, True]) == (0,)  # nothing past a rejection counts
+    assert token_sources(1, []) == (0,)  # an AR step
+    assert token_sources(2, [True, True]) == (1, 2)  # max_tokens cut the cycle short
