@@ -138,15 +138,32 @@ def test_a_chat_message_streams_an_answer_with_token_marks(page):
     assert page.locator("#play-output .tok.src-0").count() > 0  # the trunk's tokens
     first = page.inner_text("#play-acceptance")
     assert first.endswith("%") and float(page.inner_text("#play-tps")) > 0
-    page.fill("#play-temperature", "1.5")
+    detail = page.inner_text("#play-detail")
+    assert "drafted" in detail
+    page.fill("#play-max-tokens", "6")
     page.fill("#play-input", "Write a story about a cat.")
     page.click("#play-send")
     page.wait_for_function("() => document.getElementById('play-send').disabled === false "
                            "&& document.querySelectorAll('#play-output .turn').length === 2")
-    assert page.inner_text("#play-acceptance") != first  # this answer's own acceptance
+    assert page.inner_text("#play-tokens") == "6"  # this answer's own figures
+    assert page.inner_text("#play-detail") != detail and page.inner_text("#play-acceptance").endswith("%")
     page.wait_for_function("() => state.points.some((p) => p.acceptance.length > 0 && p.tokens_per_s > 0)")
     assert page.errors == []
     shot(page, "page.png")
+
+
+def test_a_plain_completion_streams_after_its_prompt(page):
+    page.select_option("#play-mode", "completion")
+    page.fill("#play-temperature", "0")
+    page.fill("#play-input", "import numpy as np\n")
+    page.click("#play-send")
+    page.wait_for_function("() => document.getElementById('play-send').disabled === false "
+                           "&& document.querySelectorAll('#play-output .tok').length > 0")
+    assert page.inner_text("#play-output").startswith("import numpy as np")
+    assert page.locator("#play-output .tok").count() == int(page.inner_text("#play-tokens"))
+    page.select_option("#play-mode", "chat")
+    page.click("#play-clear")
+    assert page.errors == []
 
 
 def test_a_failed_request_shows_the_api_error(page):

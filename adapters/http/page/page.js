@@ -266,6 +266,8 @@ async function play() {
     turn.append(el("span", text));
   }
   const answer = { text: "", tokens: 0, first: 0, drafts: 0 };
+  for (const id of ["play-tps", "play-acceptance", "play-detail"]) $(id).textContent = id === "play-detail" ? "" : "—";
+  $("play-tokens").textContent = "0";
   const controller = new AbortController();
   state.play = controller;
   setPlaying(true);
