@@ -8,8 +8,8 @@ An adapter (adapters/http, adapters/mcp, adapters/lsp) submits typed requests
 model's facts (`ModelInfo`), the decoding plan, warnings and memory; it sees the session
 bank (`Sessions`) and the workspace registry (`Workspaces`) through views of what it may
 read and do; it sees every queued and running job (`JobView`: who asked, how long it
-waited, its tokens so far); and it listens to every job's events. It never holds the scheduler, the
-engine, the bank or an MLX array: what it may know is what this module offers.
+waited, its tokens so far); and it listens to every job's events. It never holds the
+scheduler, the engine, the bank or an MLX array: what it may know is what this module offers.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine.sampler_settings import SamplerSettings
-from mtplxd.requests import Done, EmbedRequest, Event, Failed, SchedulerStats, TextDelta, TextRequest, Ticket, WarmRequest
+from mtplxd.requests import (
+    Done, EmbedRequest, Event, Failed, SchedulerStats, TextDelta, TextRequest, Ticket, WarmRequest,
+)
 
 if TYPE_CHECKING:  # annotations only: importing the adapters never loads MLX or the scheduler
     from engine.profiles import DecodePlan

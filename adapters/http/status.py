@@ -167,8 +167,9 @@ def _grow(values: list[int], n: int) -> None:
 
 def _queue(stats: Any, jobs: list[JobView]) -> dict[str, Any]:
     waiting = {c: [j.wait_s for j in jobs if j.priority == c and not j.running] for c in CLASSES}
+    longest = {c: round(max(w), 3) if w else 0 for c, w in waiting.items()}
     return {"active": stats.active, "queued": dict(stats.queued_by_class), "completed": stats.completed,
-            "cancelled": stats.cancelled, "longest_wait_s": {c: round(max(w), 3) if w else 0 for c, w in waiting.items()}}
+            "cancelled": stats.cancelled, "longest_wait_s": longest}
 
 
 def _workspace_row(w: Any) -> dict[str, Any]:
