@@ -10,7 +10,7 @@ SHIM_STAMP := $(VENV)/.shim-built
 LOCK   := requirements.lock
 UV_VERSION := 0.13.9
 
-.PHONY: install lock start test check test-slow test-real test-kernels test-reliability doctor clean real-model
+.PHONY: install lock start test check test-slow test-real test-kernels test-reliability doctor clean real-model browser
 
 install: $(STAMP) $(SHIM_STAMP) real-model
 
@@ -42,6 +42,17 @@ lock:
 # a message, and the embedded toy model stays the default.
 real-model: $(STAMP) $(SHIM_STAMP)
 	sh scripts/real_model.sh $(BIN)
+
+# Chromium for the page's browser tests (tests/test_page.py, Playwright drives it; no
+# browser is downloaded): Debian's package, installed once with apt-get (as root, or
+# through sudo); macOS and others: install Chromium at /usr/bin/chromium yourself.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@if [ -x $(CHROMIUM) ]; then echo "Chromium is installed ($(CHROMIUM))"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$SUDO apt-get install -y chromium || { $$SUDO apt-get update && $$SUDO apt-get install -y chromium; }; \
+	else echo "no apt-get here: install Chromium at $(CHROMIUM) for tests/test_page.py" >&2; fi
 
 start: install
 	$(BIN)/mtplxd start

@@ -220,6 +220,7 @@ def _print_status(report: dict) -> None:
         print(f"mtplxd is starting (pid {report['pid']}, state dir {report['state_dir']})")
         return
     print(f"mtplxd is running at {report['url']} (pid {report['pid']}, version {report.get('version')})")
+    print(f"  page: {report['page']} (mtplxd open)")
     for warning in report.get("warnings", []):  # degraded but serving (a full disk): say it first
         print(f"  warning: {warning}")
     rows = [("state dir", report["state_dir"]), ("uptime", _duration(report.get("uptime_s")))]
@@ -234,6 +235,23 @@ def _print_status(report: dict) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+
+
+def _open(args: argparse.Namespace) -> int:
+    """Open the running daemon's page in the user's browser."""
+    import webbrowser
+
+    from mtplxd import client
+    from mtplxd.config import resolve_state_dir
+
+    report = client.status(resolve_state_dir(args.state_dir), None)
+    if "page" not in report:
+        print("mtplxd is not running: start it with `mtplxd start`", file=sys.stderr)
+        return 3
+    print(f"opening {report['page']}")
+    if not webbrowser.open(report["page"]):
+        print("no browser could be started here: open that address yourself", file=sys.stderr)
+    return 0
 
 
 def _show(value: object) -> str:
@@ -391,6 +409,8 @@ COMMANDS: dict[str, Command] = {
         _status_args,
         _status,
     ),
+    "open": Command("open the running daemon's page (status, plots, playground) in the browser",
+                    _state_dir_args, _open),
     "inspect": Command(
         "classify a checkpoint: family, MTP heads, depth range, status "
         "(exit 0 supported, 3 ar-only, 4 unsupported, 2 unreadable)",

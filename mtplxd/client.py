@@ -95,6 +95,7 @@ def status(state_dir: Path, api_key: str | None = None) -> dict[str, Any]:
     if info is None:  # locked the state dir, not listening yet
         return report
     report["url"] = base_url(connect_host(info["host"]), int(info["port"]))
+    report["page"] = report["url"] + "/"  # the daemon's page (adapters/http/page.py)
     report["version"] = info.get("version")
     report["started_at"] = info.get("started_at")
     try:

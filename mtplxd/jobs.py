@@ -27,6 +27,7 @@ from engine.sessions.bank import SessionBank
 from engine.sessions.state import SnapshotMismatch
 from mtplxd.requests import (
     Done, EmbedRequest, Embeddings, Event, FinishReason, MTPStats, TextDelta, TextRequest, Usage, Warmed, WarmRequest,
+    token_sources,
 )
 
 log = logging.getLogger("mtplxd.jobs")
@@ -251,7 +252,8 @@ class TextJob:
             text += self.stops.flush()
         events: list[Event] = []
         if text or result.tokens:
-            events.append(TextDelta(text, tuple(result.tokens), result.drafted, tuple(result.accepted), batch))
+            sources = token_sources(len(result.tokens), result.accepted)
+            events.append(TextDelta(text, tuple(result.tokens), result.drafted, tuple(result.accepted), batch, sources))
         if hit_stop:
             events.append(self._done("stop"))
         elif finish:

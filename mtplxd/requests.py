@@ -84,12 +84,27 @@ class TextDelta:
     drafted: int = 0
     accepted: tuple[bool, ...] = ()
     batch: int = 1  # rows in the engine step that made it (mtplxd/scheduler.py's batch)
+    # How each of `token_ids` was produced: k >= 1 a draft of head position k the trunk
+    # accepted, 0 the trunk's own token (the verified correction, the bonus, or AR).
+    sources: tuple[int, ...] = ()
 
     def then(self, later: TextDelta) -> TextDelta:
         """This delta and the next as one (a client that reads slower than the engine
         writes gets fewer, larger chunks)."""
         return TextDelta(self.text + later.text, self.token_ids + later.token_ids, self.drafted + later.drafted,
-                         self.accepted + later.accepted, max(self.batch, later.batch))
+                         self.accepted + later.accepted, max(self.batch, later.batch), self.sources + later.sources)
+
+
+def token_sources(tokens: int, accepted: list[bool] | tuple[bool, ...]) -> tuple[int, ...]:
+    """`TextDelta.sources` of one engine step: the accepted prefix of the drafts, at head
+    positions 1, 2, ..., then the trunk's tokens (one per MTP cycle; every AR token)."""
+    drafts = 0
+    for ok in accepted:
+        if not ok:
+            break
+        drafts += 1
+    drafts = min(drafts, tokens)
+    return tuple(range(1, drafts + 1)) + (0,) * (tokens - drafts)
 
 
 @dataclass

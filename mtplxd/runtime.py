@@ -7,19 +7,24 @@ An adapter (adapters/http, adapters/mcp, adapters/lsp) submits typed requests
 (mtplxd/jobs.py) and reads their events; it reads the daemon's state and the loaded
 model's facts (`ModelInfo`), the decoding plan, warnings and memory; it sees the session
 bank (`Sessions`) and the workspace registry (`Workspaces`) through views of what it may
-read and do; and it listens to every job's events. It never holds the scheduler, the
-engine, the bank or an MLX array: what it may know is what this module offers.
+read and do; it sees every queued and running job (`JobView`: who asked, how long it
+waited, its tokens so far); and it listens to every job's events. It never holds the
+scheduler, the engine, the bank or an MLX array: what it may know is what this module offers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine.sampler_settings import SamplerSettings
-from mtplxd.requests import EmbedRequest, Event, SchedulerStats, TextRequest, Ticket, WarmRequest
+from mtplxd.requests import (
+    Done, EmbedRequest, Event, Failed, SchedulerStats, TextDelta, TextRequest, Ticket, WarmRequest,
+)
 
 if TYPE_CHECKING:  # annotations only: importing the adapters never loads MLX or the scheduler
     from engine.profiles import DecodePlan
@@ -31,6 +36,7 @@ if TYPE_CHECKING:  # annotations only: importing the adapters never loads MLX or
 
 # (the job's entry: its `.request`; the event) on the scheduler's worker thread
 Listener = Callable[[Any, Event], None]
+MAX_PROGRESS = 256  # jobs' counters kept before those of ended jobs are dropped
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class ModelInfo:
     top_p: float
     top_k: int
     default_depth: int | None  # the `depth` setting, if any
+    quantization: str = "float"  # "4-bit, group 64" for a quantized checkpoint (its config's)
 
     @classmethod
     def from_engine(cls, engine: Any, default_depth: int | None) -> ModelInfo:
@@ -74,6 +81,7 @@ class ModelInfo:
             top_p=defaults.top_p if defaults else 1.0,
             top_k=defaults.top_k if defaults else 0,
             default_depth=default_depth,
+            quantization=_quantization(engine),
         )
 
     def sampler(self, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -88,6 +96,50 @@ class ModelInfo:
         )
 
 
+def _quantization(engine: Any) -> str:
+    """The checkpoint's quantization in words, from its config.json."""
+    from engine.checkpoint import CheckpointError, read_config
+
+    try:
+        config = read_config(engine.path)
+    except (AttributeError, TypeError, OSError, CheckpointError):  # a test double without a folder
+        return "unknown"
+    q = config.get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        return f"{q['bits']}-bit, group {q.get('group_size', '?')}"
+    return str(config.get("torch_dtype") or "float")
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One queued or running job, read-only: who asked, its class, how long it waited
+    (or has been waiting), and the tokens it made so far."""
+
+    id: int
+    client: str  # openai | anthropic | mcp | lsp | ... as the adapter said; else what the request is
+    kind: str  # text | embed | warm | calibrate
+    priority: str  # interactive | normal | background
+    running: bool
+    wait_s: float  # submitted -> its first token, or -> now while it waits for one
+    tokens: int
+    tokens_per_s: float  # since its first token
+    drafted: int
+    accepted: int
+
+
+@dataclass
+class _Progress:
+    """A job's counters, kept from its events on the worker thread."""
+
+    client: str = ""
+    created: float = dataclasses.field(default_factory=time.perf_counter)
+    started: float | None = None  # perf_counter of its first token
+    last: float = 0.0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
 class Runtime:
     def __init__(self, scheduler: Scheduler, settings: Settings, workspaces: WorkspaceRegistry | None = None,
                  warnings: list[str] | None = None):
@@ -99,14 +151,22 @@ class Runtime:
         self._warnings = warnings if warnings is not None else []
         self._listeners: list[Listener] = []
         self._model: ModelInfo | None = None
+        self._progress: dict[int, _Progress] = {}  # by job id; written on the worker thread
+        self._progress_lock = threading.Lock()
         scheduler.on_event = self._tell
 
     # -- work ----------------------------------------------------------------------------
 
-    def submit(self, request: TextRequest | EmbedRequest | WarmRequest) -> Ticket:
+    def submit(self, request: TextRequest | EmbedRequest | WarmRequest, client: str = "") -> Ticket:
         """Queue a job (raises QueueFull or NotReady). A workspace a text request names is
-        registered, so the daemon watches its files (mtplxd/workspaces.py)."""
+        registered, so the daemon watches its files (mtplxd/workspaces.py). `client`: who
+        asks, in a word (openai, anthropic, mcp, lsp), shown by `jobs()`."""
         ticket = self._scheduler.submit(request)
+        if client:
+            with self._progress_lock:
+                self._progress.setdefault(ticket.id, _Progress()).client = client
+        if len(self._progress) > MAX_PROGRESS:  # cancelled jobs end without an event: forget them
+            self.jobs()
         if isinstance(request, TextRequest) and request.workspace and self._workspaces is not None:
             self._workspaces.register(request.workspace)
         return ticket
@@ -120,8 +180,38 @@ class Runtime:
         self._listeners.append(listener)
 
     def _tell(self, entry: Any, event: Event) -> None:
+        self._count(entry.id, event)
         for listener in self._listeners:
             listener(entry, event)
+
+    def _count(self, job_id: int, event: Event) -> None:
+        """A job's progress for `jobs()`; forgotten when it ends."""
+        with self._progress_lock:
+            if isinstance(event, (Done, Failed)):
+                self._progress.pop(job_id, None)
+                return
+            if not isinstance(event, TextDelta) or not event.token_ids:
+                return
+            progress = self._progress.setdefault(job_id, _Progress())
+            now = time.perf_counter()
+            if progress.started is None:
+                progress.started = now
+            progress.last = now
+            progress.tokens += len(event.token_ids)
+            progress.drafted += event.drafted
+            progress.accepted += sum(event.accepted)
+
+    def jobs(self) -> list[JobView]:
+        """Every queued and running job, by class then arrival."""
+        now = time.perf_counter()
+        entries = self._scheduler.entries()
+        with self._progress_lock:
+            alive = {job_id for job_id, *_ in entries}
+            for gone in [i for i, p in self._progress.items() if i not in alive and p.created < now]:
+                del self._progress[gone]  # cancelled: no Done came
+            progress = {i: dataclasses.replace(self._progress[i]) for i in alive if i in self._progress}
+        return [_job_view(job_id, priority, request, now - submitted, running, progress.get(job_id), now)
+                for job_id, priority, request, submitted, running in entries]
 
     # -- state ---------------------------------------------------------------------------
 
@@ -206,6 +296,18 @@ class Runtime:
     def workspaces(self) -> Workspaces | None:
         """The workspace registry's view; None when the daemon runs without one (tests)."""
         return self._workspace_view
+
+
+def _job_view(job_id: int, priority: str, request: Any, age_s: float, running: bool, progress: _Progress | None,
+              now: float) -> JobView:
+    kind = {"TextRequest": "text", "EmbedRequest": "embed", "WarmRequest": "warm"}.get(
+        type(request).__name__, "calibrate")
+    p = progress or _Progress()
+    started = p.started if p.started is not None else now
+    waited = age_s - (now - started) if p.started is not None else age_s
+    rate = p.tokens / (p.last - p.started) if p.started is not None and p.last > p.started else 0.0
+    return JobView(job_id, p.client or kind, kind, priority, running, max(0.0, waited), p.tokens, rate,
+                   p.drafted, p.accepted)
 
 
 class Sessions:

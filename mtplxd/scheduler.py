@@ -178,6 +178,13 @@ class Scheduler:
                 steps=self.steps,
             )
 
+    def entries(self) -> list[tuple[int, str, Request, float, bool]]:
+        """Every queued or running job: (id, its class, its request, when submitted
+        (perf_counter), started), for the runtime's read-only view."""
+        with self._cond:
+            return [(e.id, p.name.lower(), e.request, e.submitted, e.job is not None)
+                    for p, q in self._queues.items() for e in q]
+
     def _cancel(self, entry: _Entry) -> None:
         with self._cond:
             entry.cancelled = True

@@ -331,7 +331,7 @@ async def test_a_spent_budget_ends_the_streamed_block_at_a_closed_line_break(bud
     send.close()
 
     class Runtime:
-        def submit(self, request):
+        def submit(self, request, client=""):
             return Ticket(1, receive, lambda: None)
 
     block = Cursor("    ", "", prev_line="def g():")

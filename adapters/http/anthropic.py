@@ -57,7 +57,7 @@ class _Messages:
         turn, prompt_tokens = params.text.turn, len(params.text.request.prompt_ids)
         if turn is None:  # parse_messages renders every conversation as a chat turn
             raise ApiError(500, "the messages were not rendered as a chat turn", code="internal_error")
-        run = Run(self.api.submit(params.text.request), self.api.metrics, request.url.path)
+        run = Run(self.api.submit(params.text.request, "anthropic"), self.api.metrics, request.url.path)
         if params.text.stream:
             stream = message_events(run, shape, turn, prompt_tokens)
             return Releasing(EventSourceResponse(stream, ping=SSE_PING_S), run)

@@ -6,6 +6,8 @@
     GET  /v1/models[/{id}]      the one loaded model (id: its checkpoint folder name)
     GET  /health                open even with an API key; 200 only when ready
     GET  /metrics               Prometheus text, this app's own registry
+    GET  /v1/status[/stream]    the live status document, once or every second (adapters/http/status.py)
+    GET  /                      the daemon's page (adapters/http/page.py), open without the key
 
 Chat completions take `tools`, `tool_choice`, `parallel_tool_calls`, tool turns in
 the history and `response_format` json_object / json_schema (checked, reported as
@@ -64,8 +66,10 @@ from adapters.http.metrics import CONTENT_TYPE, Metrics, RequestCounter
 from adapters.http.openai_chat import ChatReader, chat_message, parse_chat
 from adapters.common.errors import ApiError
 from adapters.http.openai_schema import TextParams, parse_completion, parse_embeddings, parse_json, parse_priority
-from adapters.http.openai_stream import Releasing, Run, Shape, collect, final, sse
+from adapters.http.openai_stream import Releasing, Run, Shape, TokenMarks, collect, final, sse
+from adapters.http.page import is_page_path, page_routes
 from adapters.http.sessions import session_routes, with_workspace
+from adapters.http.status import StatusBoard, status_routes
 from mtplxd.config import Settings
 from mtplxd.requests import Done, Embeddings, TextDelta
 from mtplxd.runtime import ModelInfo, Runtime
@@ -93,6 +97,8 @@ def create_app(runtime: Runtime, settings: Settings) -> Starlette:
         Route("/metrics", api.metrics_text, methods=["GET"]),
         *session_routes(runtime),
         *anthropic_routes(api),
+        *status_routes(StatusBoard(runtime)),
+        *page_routes(settings.api_key is not None),
     ]
     middleware = [  # outermost first: refusals are counted too; CORS preflights need no key
         Middleware(RequestCounter, metrics=metrics),
@@ -134,7 +140,9 @@ class _Api:
         run = Run(self.submit(params.request), self.metrics, request.url.path)
         if params.stream:
             reader = ChatReader(params.turn, params.response_format) if params.turn else None
-            return Releasing(EventSourceResponse(sse(run, shape, params.include_usage, reader), ping=SSE_PING_S), run)
+            marks = TokenMarks(self.ready_model().tokenizer) if params.token_marks else None
+            stream = sse(run, shape, params.include_usage, reader, marks)
+            return Releasing(EventSourceResponse(stream, ping=SSE_PING_S), run)
         try:
             events = await collect(request, run)
         finally:
@@ -217,9 +225,9 @@ class _Api:
     def _model_id(self) -> str | None:
         return self.runtime.model_id()
 
-    def submit(self, request: Any) -> Ticket:
+    def submit(self, request: Any, client: str = "openai") -> Ticket:
         try:
-            return self.runtime.submit(request)
+            return self.runtime.submit(request, client)
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
         except NotReady as e:
@@ -243,7 +251,7 @@ def _encode_vector(vector: list[float], encoding: str) -> Any:
 
 
 class _ApiKey:
-    """ASGI middleware: with an API key set, every path but /health needs
+    """ASGI middleware: with an API key set, every path but /health and the page's files needs
     `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's clients send
     the latter), compared in constant time."""
 
@@ -252,7 +260,7 @@ class _ApiKey:
         self.key = key.encode() if key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self.key is None or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or self.key is None or scope["path"] in OPEN_PATHS or is_page_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)

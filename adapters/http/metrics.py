@@ -23,7 +23,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # probing random URLs cannot grow the label set without bound.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics",
              "/v1/sessions", "/v1/messages", "/v1/messages/count_tokens",
-             "/mcp")
+             "/mcp", "/v1/status", "/v1/status/stream", "/")
 STATES = ("loading", "ready", "failed", "stopping", "stopped")
 
 

@@ -35,6 +35,7 @@ class TextParams:
     include_usage: bool
     turn: ChatTurn | None = None  # chat: how to read the reply (reasoning, tool calls)
     response_format: ResponseFormat | None = None  # chat: JSON to check the answer against
+    token_marks: bool = False  # extension: stream chunks say how each token was produced
 
 
 # -- reading fields ----------------------------------------------------------------
@@ -230,7 +231,10 @@ def text_params(body: dict, model: ModelInfo, prompt: list[int], prompt_param: s
     get_str(body, "user")
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise bad("`metadata` must be an object", "metadata")
-    return TextParams(request, stream, _include_usage(body, stream))
+    token_marks = get_bool(body, "token_marks")
+    if token_marks and not stream:
+        raise bad("`token_marks` needs `stream: true` (the marks ride on the stream's chunks)", "token_marks")
+    return TextParams(request, stream, _include_usage(body, stream), token_marks=token_marks)
 
 
 def decode_extensions(body: dict) -> tuple[Literal["ar", "mtp"] | None, str | None]:

@@ -165,17 +165,58 @@ class Reader(Protocol):
     def final_fields(self) -> dict: ...
 
 
-async def sse(run: Run, shape: Shape, include_usage: bool, reader: Reader | None = None) -> AsyncIterator[str]:
+class TokenMarks:
+    """The `token_marks` extension: how each streamed token was produced. A mark is
+    {"text", "source"}: source k >= 1 a draft of head position k the trunk accepted, 0
+    the trunk's own token; text: the token's own spelling after the tokens before it.
+    Joined, the texts spell the raw output: the content may lag them by a few characters
+    (held while a word or a stop string is undecided) and leaves control tokens out."""
+
+    CONTEXT = 4  # tokens decoded before each one: a tokenizer spells a word's leading space by context
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.pending: list[dict] = []
+        self.context: list[int] = []
+
+    def add(self, delta: TextDelta) -> None:
+        ids = delta.token_ids
+        sources = delta.sources or (0,) * len(ids)
+        pieces = [self._piece(t) for t in ids]
+        self.pending += [{"text": p, "source": k} for p, k in zip(pieces, sources)]
+
+    def _piece(self, token: int) -> str:
+        """The text `token` adds after the few tokens before it."""
+        before_ids = self.context[-(self.CONTEXT - 1):]
+        self.context = [*before_ids, token]
+        before = self.tokenizer.decode(before_ids, skip_special_tokens=True)
+        after = self.tokenizer.decode(self.context, skip_special_tokens=True)
+        return after[len(before):] if after.startswith(before) else self.tokenizer.decode([token])
+
+    def take(self) -> dict:
+        """The chunk field with the marks not yet sent ({} when none are waiting)."""
+        marks, self.pending = self.pending, []
+        return {"token_marks": marks} if marks else {}
+
+
+async def sse(run: Run, shape: Shape, include_usage: bool, reader: Reader | None = None,
+              marks: TokenMarks | None = None) -> AsyncIterator[str]:
     """The event stream; always ends with `[DONE]` or one final error event. A chat
-    stream's text goes through `reader` (reasoning, tool calls) when there is one."""
+    stream's text goes through `reader` (reasoning, tool calls) when there is one; with
+    `marks`, chunks carry the `token_marks` of their tokens (none without: unchanged)."""
     extra = {"usage": None} if include_usage else {}  # OpenAI: usage null until the last chunk
+    take = marks.take if marks is not None else dict
     try:
         if shape.chat:  # the role arrives at once, before the prompt is even prefilled
             yield shape.chunk([shape.delta("", role=True)], **extra)
         async for event in run.events():
-            if isinstance(event, TextDelta) and event.text:
+            if isinstance(event, TextDelta):
+                if marks is not None:
+                    marks.add(event)
+                if not event.text:
+                    continue
                 for choice in reader.feed(event.text) if reader else [shape.delta(event.text)]:
-                    yield shape.chunk([choice], **extra)
+                    yield shape.chunk([choice], **take(), **extra)
             elif isinstance(event, Done):
                 stats = stats_body(event)
                 reason: str  # the reader may answer "tool_calls"
@@ -184,7 +225,7 @@ async def sse(run: Run, shape: Shape, include_usage: bool, reader: Reader | None
                     for choice in reader.finish():
                         yield shape.chunk([choice], **extra)
                     reason, fields = reader.finish_reason(reason), reader.final_fields()
-                yield shape.chunk([shape.delta("", reason)], mtp=stats["mtp"], **fields, **extra)
+                yield shape.chunk([shape.delta("", reason)], mtp=stats["mtp"], **fields, **take(), **extra)
                 if include_usage:
                     yield shape.chunk([], **stats)
             elif isinstance(event, Failed):

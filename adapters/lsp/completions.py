@@ -82,7 +82,7 @@ async def generate(runtime: Runtime, request: TextRequest, cursor: Cursor, budge
                    stats: ConnectionStats, watch: Watch | None = None) -> Generated:
     """Run one job to its end or to the first stop rule; the ticket is released on every path."""
     try:
-        ticket = runtime.submit(request)
+        ticket = runtime.submit(request, "lsp")
     except (QueueFull, NotReady) as e:
         raise RequestFailed(str(e)) from None
     stats.jobs_started += 1

@@ -153,7 +153,7 @@ class McpAdapter:
 
     def submit(self, request: TextRequest | WarmRequest) -> Any:
         try:
-            return self.runtime.submit(request)
+            return self.runtime.submit(request, "mcp")
         except QueueFull as e:
             raise ToolError(f"the daemon is busy: {e}") from None
         except NotReady as e:

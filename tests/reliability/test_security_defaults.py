@@ -41,6 +41,9 @@ ROUTES = [
     ("DELETE", "/v1/sessions?workspace=default", None),
     ("GET", "/metrics", None),
     ("GET", "/health", None),
+    ("GET", "/v1/status", None),  # and /v1/status/stream: tests/test_status_stream.py
+    ("GET", "/", None),  # the daemon's page and its files: open without the key
+    ("GET", "/page/page.js", None),
     ("POST", "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "probe", "version": "1"}}}),
 ]
@@ -106,9 +109,9 @@ def test_preflight_answers_allowed_origins_only(daemon):
 
 
 @pytest.mark.parametrize("method,path,body", ROUTES, ids=IDS)
-def test_the_key_guards_every_route_but_health(daemon, method, path, body):
+def test_the_key_guards_every_route_but_health_and_the_page(daemon, method, path, body):
     r = send(daemon, method, path, body, key=False)
-    assert r.status_code == (200 if path == "/health" else 401), r.text
+    assert r.status_code == (200 if path in ("/health", "/", "/page/page.js") else 401), r.text
 
 
 def test_state_files_are_private_and_the_bind_is_loopback(daemon):
