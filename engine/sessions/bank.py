@@ -123,11 +123,14 @@ class SessionBank(DiskTier):
 
     def close(self, timeout: float = 30.0) -> bool:
         """Write every pending entry (within `timeout`), then stop the writer.
-        True when nothing was left unwritten."""
+        True when nothing was left unwritten but entries waiting for room on a full disk
+        (their warning has said so; they are lost, as a cache may be)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             self._drain(deadline)
             done = not self._pending_writes()
+            if waiting := self._waiting_writes():
+                log.info("session bank: %d entries waiting for room on the disk not written", waiting)
             self._flushing = False  # a write still going is called off (its temp file removed)
             self._closing = True
             self._cond.notify_all()

@@ -171,7 +171,7 @@ class DiskTier:
 
     def _next_due_in(self) -> float | None:
         dues = [e.write_due for e in self._entries.values() if e.write_due is not None and not e.no_disk]
-        if self._short_of_space:
+        if self._short_of_space and not self._waiting_writes():  # else the waiting entries' own retries ask
             dues.append(self._space_check_at)
         if self._manifest_dirty or self._doomed:  # a manifest waiting out its retry delay
             dues.append(self._manifest_retry_at)

@@ -289,7 +289,7 @@ class MemoryCurve:
     def settle(self, seconds: float) -> dict:
         """RSS less bank at the start, the middle and the end (medians of short windows,
         a tenth of the soak each: one sample is noisy), and the growth over the last half."""
-        tenth = seconds / 10
+        tenth = max(seconds / 10, 2 * SAMPLE_S)  # a short soak: still a sample or two a window
         start, middle = self.less_bank(0, tenth), self.less_bank(seconds / 2 - tenth / 2, seconds / 2 + tenth / 2)
         end = self.less_bank(seconds - tenth, seconds)
         step = -(-len(self.points) // 30) or 1  # at most 30 points of the curve in the figures
