@@ -72,9 +72,11 @@ test-slow: install
 test-real: install
 	$(BIN)/python -m pytest -q -m real_model
 
-# The reliability suite at full size (docs/reliability.md): a 90-second soak.
+# The reliability suite at full size (docs/reliability.md): a 90-second soak, or SOAK
+# seconds (`make test-reliability SOAK=600`: ten minutes, its memory curve must settle).
+SOAK ?= 90
 test-reliability: install
-	$(BIN)/python -m pytest -q -s tests/reliability --soak-seconds 90
+	$(BIN)/python -m pytest -q -s tests/reliability --soak-seconds $(SOAK)
 
 # The engine tests under every BLAS kernel choice (scripts/kernel_matrix.py): the shim's
 # AVX-512 / AVX2 / no few-row kernel, OpenBLAS on 1 and 2 threads, OPENBLAS_CORETYPE

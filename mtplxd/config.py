@@ -130,6 +130,7 @@ class Settings:
     workspaces: tuple[str, ...] = ()
     # Session bank (engine/sessions/bank.py). Bytes; None: a default from the machine.
     session_ram_bytes: int | None = None  # None: 1/8 of physical memory (at most 32 GiB); 0: no bank
+    # A cap: the bank writes only what leaves 64 MiB of the disk free (engine/sessions/room.py).
     session_disk_bytes: int | None = None  # None: 8 GiB or 1/4 of the free disk, the smaller; 0: RAM only
     session_write_delay_ms: int = 2000  # a new entry waits this long before its background write
     session_write_bps: int = 0  # cap on background write speed, bytes/s (0: none)

@@ -11,7 +11,7 @@ fails. SIGINT/SIGTERM stop the scheduler first (in-flight streams get a final
 A full disk. The daemon cannot run without daemon.pid (its lock, and the pid that
 `mtplxd stop` signals) and daemon.json (where clients find it): when either cannot be
 written it exits with one line and EXIT_STATE_DIR (mtplxd/state_dir.py). Everything else carries on:
-the session bank stays in RAM (mtplxd/workspaces.py open_bank), log records that cannot
+new sessions stay in RAM until the disk has room again (engine/sessions/room.py), log records that cannot
 be written are dropped (LogFile), and /health lists each such condition in "warnings".
 """
 

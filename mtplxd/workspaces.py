@@ -254,30 +254,23 @@ def physical_memory() -> int:
         return 8 << 30
 
 
+DEFAULT_DISK_BYTES = 8 << 30  # or a quarter of the free disk, the smaller (open_bank)
+
+
 def default_ram_bytes() -> int:
     """An eighth of physical memory, at most 32 GiB."""
     return min(physical_memory() // 8, 32 << 30)
 
 
-def default_disk_bytes(folder: Path) -> int:
-    """8 GiB or a quarter of the free space, the smaller."""
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        st = os.statvfs(probe)
-        free = st.f_bavail * st.f_frsize
-    except OSError:
-        return 1 << 30
-    return int(min(8 << 30, free // 4))
-
-
 def open_bank(settings: Any, rank: int = 0, size: int = 1) -> Any:
     """The session bank of `settings` (<state_dir>/sessions), or None when switched off.
-    On a (nearly) full disk it is RAM only, with a warning in the log and bank.disk_warning.
+    Its disk budget is a cap: the bank writes what fits in the disk's free space as it is
+    at each write (engine/sessions/room.py); by default 8 GiB or a quarter of the room it
+    has, the smaller. On a (nearly) full disk new sessions stay in RAM, with a warning in
+    the log and bank.disk_warning, until there is room again.
     Of several ranks, each keeps its slices in its own folder (mtplxd/ranks/world.py)."""
     from engine.sessions.bank import SessionBank
-    from engine.sessions.disk_tier import full_disk_warning
+    from engine.sessions.room import DiskRoom
 
     ram = settings.session_ram_bytes if settings.session_ram_bytes is not None else default_ram_bytes()
     if ram <= 0:
@@ -288,11 +281,6 @@ def open_bank(settings: Any, rank: int = 0, size: int = 1) -> Any:
 
         folder = folder / rank_folder(rank, size)
     delay, bps = settings.session_write_delay_ms / 1000.0, settings.session_write_bps
-    full = full_disk_warning(folder) if settings.session_disk_bytes != 0 else None  # 0: RAM only by choice
-    if full is not None:
-        log.warning("%s", full)
-        bank = SessionBank(None, ram, 0, delay, bps)
-        bank.disk_warning = full
-        return bank
-    disk = settings.session_disk_bytes if settings.session_disk_bytes is not None else default_disk_bytes(folder)
-    return SessionBank(folder, ram, disk, delay, bps)
+    if settings.session_disk_bytes is None:
+        return SessionBank(folder, ram, DEFAULT_DISK_BYTES, delay, bps, room=DiskRoom(share=0.25))
+    return SessionBank(folder, ram, settings.session_disk_bytes, delay, bps)

@@ -80,7 +80,7 @@ class _Sessions:
             st = bank.stats()
             body["ram"] = {"bytes": st.ram_bytes, "budget": st.ram_budget, "entries": st.ram_entries}
             body["disk"] = {"bytes": st.disk_bytes, "budget": st.disk_budget, "entries": st.disk_entries,
-                            "pending_writes": st.pending_writes}
+                            "pending_writes": st.pending_writes, "waiting_writes": st.waiting_writes}
         if registry is not None:
             body["warmups"] = {"started": registry.warmups_started, "done": registry.warmups_done,
                                "failed": registry.warmups_failed}

@@ -43,6 +43,7 @@ import numpy as np
 from engine.sessions.disk_tier import DiskTier
 from engine.sessions.folder import MANIFEST, SUFFIX, manifest_record
 from engine.sessions.index import BLOCK, Entry, PrefixIndex
+from engine.sessions.room import DiskRoom
 from engine.sessions.state import ModelKey, Restore, Snapshot
 from engine.sessions.stats import BankStats, Counters, WorkspaceStats, total, workspace_stats
 
@@ -60,15 +61,18 @@ class SessionBank(DiskTier):
         write_delay_s: float = 2.0,
         write_bps: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        room: DiskRoom = DiskRoom(),
     ):
         """`folder`: the disk tier's root (None: RAM only); budgets in bytes (0 disables
         a tier; a bank without RAM is off). `write_delay_s`: how long a new entry waits
-        before its background write; `write_bps`: a cap on write speed (0: none)."""
+        before its background write; `write_bps`: a cap on write speed (0: none); `room`:
+        how much of the disk's free space it may take (engine/sessions/room.py)."""
         self.root = Path(folder) if folder is not None else None
         self.ram_budget = max(0, int(ram_bytes))
         self.disk_budget = max(0, int(disk_bytes)) if folder is not None else 0
         self.write_delay_s = write_delay_s
         self.write_bps = write_bps
+        self.room = room
         self._clock = clock
         self._cond = threading.Condition(threading.RLock())
         self.model: ModelKey | None = None
@@ -84,6 +88,8 @@ class SessionBank(DiskTier):
         self._doomed: list[str] = []  # files to delete once the manifest no longer lists them
         self._flushing = False
         self._closing = False
+        self._short_of_space = False
+        self._space_check_at = float("-inf")
         self._writer: threading.Thread | None = None
         # One line for /health while the disk tier is off or failing (a full disk); None when fine.
         self.disk_warning: str | None = None
@@ -117,11 +123,14 @@ class SessionBank(DiskTier):
 
     def close(self, timeout: float = 30.0) -> bool:
         """Write every pending entry (within `timeout`), then stop the writer.
-        True when nothing was left unwritten."""
+        True when nothing was left unwritten but entries waiting for room on a full disk
+        (their warning has said so; they are lost, as a cache may be)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             self._drain(deadline)
             done = not self._pending_writes()
+            if waiting := self._waiting_writes():
+                log.info("session bank: %d entries waiting for room on the disk not written", waiting)
             self._flushing = False  # a write still going is called off (its temp file removed)
             self._closing = True
             self._cond.notify_all()
@@ -255,7 +264,7 @@ class SessionBank(DiskTier):
                 enabled=self.enabled, ram_bytes=self._ram_bytes, ram_budget=self.ram_budget,
                 disk_bytes=self._disk_bytes(), disk_budget=self.disk_budget,
                 ram_entries=sum(e.in_ram for e in self._entries.values()), disk_entries=len(files),
-                pending_writes=self._pending_writes(), hits_ram=totals.hits_ram, hits_disk=totals.hits_disk,
+                pending_writes=self._pending_writes(), waiting_writes=self._waiting_writes(), hits_ram=totals.hits_ram, hits_disk=totals.hits_disk,
                 misses=totals.misses, cached_tokens=totals.cached_tokens, evictions_ram=self._evictions_ram,
                 evictions_disk=self._evictions_disk, bad_files=self._bad, writes=self._writes,
             )

@@ -4,7 +4,10 @@ An entry is written some seconds after it appears (a burst of requests supersede
 most entries before they are written), at once when it leaves RAM, and all at
 once on flush or close. The manifest is rewritten after each file is in place;
 files it no longer lists are deleted only after that. Over budget, superseded
-files go first, then least recently used leaves. A disk hit is read and verified
+files go first, then least recently used leaves. Before each write the disk is asked
+for its free space (engine/sessions/room.py): an entry that does not fit waits in RAM
+and is tried again, so a disk that fills up and empties again costs writes, never the
+disk tier. A disk hit is read and verified
 against the index; a bad file is set aside and counted. No file is touched while
 holding the bank's lock. What is on disk at start: engine/sessions/folder.py.
 
@@ -16,8 +19,8 @@ it calls back the bank's `_drop` and `_victim`.
 
 from __future__ import annotations
 
+import errno
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -28,32 +31,12 @@ import numpy as np
 from engine.sessions.files import Aborted, BadFile, read_snapshot, snapshot_metadata, write_json_atomic, write_snapshot
 from engine.sessions.folder import MANIFEST, manifest_record, prune_other_models, scan_folder, set_aside
 from engine.sessions.index import Entry, PrefixIndex
+from engine.sessions.room import DiskRoom, file_bytes
 from engine.sessions.state import FORMAT, ModelKey, Snapshot
 
 log = logging.getLogger("mtplxd.sessions")
 
 MANIFEST_RETRY_S = 5.0  # after a failed manifest write (a full disk) the next try waits this long
-
-# Below this much free space at start the disk tier stays off: what little room a nearly
-# full disk has left belongs to the user's own files (and to the daemon's small ones).
-MIN_FREE_BYTES = 64 << 20
-
-
-def full_disk_warning(root: Path) -> str | None:
-    """One line saying why the disk tier stays off when the disk of `root` (or of its
-    nearest existing parent) has less than MIN_FREE_BYTES free; None otherwise."""
-    probe = Path(root)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        st = os.statvfs(probe)
-    except OSError:
-        return None  # cannot tell: the writes themselves will say (they fail softly)
-    free = st.f_bavail * st.f_frsize
-    if free >= MIN_FREE_BYTES:
-        return None
-    return (f"disk almost full ({free >> 10} KiB free on the disk of {root}, under {MIN_FREE_BYTES >> 20} MiB): "
-            f"the session bank keeps sessions in RAM only, lost on restart; free some space and restart mtplxd")
 
 
 def _write_warning(folder: Path, error: OSError) -> str:
@@ -67,6 +50,7 @@ class DiskTier:
     folder: Path | None  # the open disk tier's folder; None: RAM only
     model: ModelKey | None
     disk_budget: int
+    room: DiskRoom
     write_bps: int
     disk_warning: str | None
     _cond: threading.Condition
@@ -80,6 +64,8 @@ class DiskTier:
     _manifest_retry_at: float
     _touched: bool
     _doomed: list[str]
+    _short_of_space: bool  # entries wait for room: logged once, warned until written
+    _space_check_at: float  # short of space: when the writer asks the disk again
     _writes: int
     _bad: int
     _evictions_disk: int
@@ -111,7 +97,12 @@ class DiskTier:
             self._cond.wait(min(left, 0.1))
 
     def _pending_writes(self) -> int:
-        return sum(1 for e in self._entries.values() if (e.write_due is not None and not e.no_disk) or e.writing)
+        """Entries to write; not those waiting for room (a flush does not wait for them)."""
+        return sum(1 for e in self._entries.values()
+                   if (e.write_due is not None and not e.no_disk and not e.waiting) or e.writing)
+
+    def _waiting_writes(self) -> int:
+        return sum(1 for e in self._entries.values() if e.waiting and not e.writing)
 
     def _doom(self, entry: Entry) -> None:
         """Delete the superseded files `entry` kept, with the next manifest."""
@@ -125,9 +116,11 @@ class DiskTier:
             with self._cond:
                 entry = None
                 while True:
+                    recheck = False
                     if self.folder is not None:
                         entry = self._next_write()
-                    if entry is not None or self._manifest_due(self._flushing):
+                    recheck = self._space_recheck_due()
+                    if entry is not None or recheck or self._manifest_due(self._flushing):
                         break
                     if self._closing:
                         return
@@ -135,6 +128,8 @@ class DiskTier:
                 if entry is not None:
                     entry.writing = True
                     snapshot = cast(Snapshot, entry.snapshot)  # _next_write picks entries that hold one
+            if recheck:
+                self._recheck_space()
             if entry is not None:
                 self._write_entry(entry, snapshot)
             if self.folder is not None and (self._manifest_dirty or self._doomed or self._touched):
@@ -157,11 +152,27 @@ class DiskTier:
         now = self._clock()
         due = [e for e in self._entries.values()
                if e.write_due is not None and not e.no_disk and not e.writing and e.snapshot is not None
-               and (self._flushing or e.write_due <= now)]
+               and ((self._flushing and not e.waiting) or e.write_due <= now)]
         return min(due, key=lambda e: cast(float, e.write_due)) if due else None
+
+    def _space_recheck_due(self) -> bool:
+        """Short of space with no entry waiting (full at start, say): the warning stays
+        until the disk is asked again, every `room.retry_s`."""
+        return (self.folder is not None and self._short_of_space and not self._waiting_writes()
+                and self._clock() >= self._space_check_at)
+
+    def _recheck_space(self) -> None:
+        free = self.room.probe(self._opened()[0])
+        with self._cond:
+            if self.room.fits(0, free):
+                self.disk_warning, self._short_of_space = None, False
+            else:
+                self._space_check_at = self._clock() + self.room.retry_s
 
     def _next_due_in(self) -> float | None:
         dues = [e.write_due for e in self._entries.values() if e.write_due is not None and not e.no_disk]
+        if self._short_of_space and not self._waiting_writes():  # else the waiting entries' own retries ask
+            dues.append(self._space_check_at)
         if self._manifest_dirty or self._doomed:  # a manifest waiting out its retry delay
             dues.append(self._manifest_retry_at)
         if not dues:
@@ -170,6 +181,11 @@ class DiskTier:
 
     def _write_entry(self, entry: Entry, snapshot: Snapshot) -> None:
         folder, model = self._opened()
+        free = self.room.probe(folder)  # outside the lock: a syscall on the disk
+        with self._cond:
+            if not self._make_room(entry, free):
+                self._wait_for_room(entry, folder, free)
+                return
         metadata = snapshot_metadata(snapshot, model.fingerprint, entry.workspace)
         try:
             sha, size = write_snapshot(folder, entry.name, snapshot, metadata, self.write_bps,
@@ -182,6 +198,11 @@ class DiskTier:
                     entry.no_disk = True
             return
         except OSError as e:  # a full disk: the entry stays in RAM (if it still fits), the daemon goes on
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # filled up since the probe: tried again later
+                free = self.room.probe(folder)
+                with self._cond:
+                    self._wait_for_room(entry, folder, free)
+                return
             log.warning("session file %s not written: %s", entry.name, e)
             with self._cond:
                 self.disk_warning = _write_warning(folder, e)
@@ -190,13 +211,14 @@ class DiskTier:
                     self._drop(entry)
             return
         with self._cond:
-            entry.writing = False
+            entry.writing = entry.waiting = False
             entry.write_due = None
             if entry.dropped:
                 self._doomed.append(entry.name)  # never listed: safe to delete at once
                 return
             self._writes += 1
-            self.disk_warning = None  # writes work (again)
+            if not self._waiting_writes():  # writes work (again) and none waits for room
+                self.disk_warning, self._short_of_space = None, False
             entry.file, entry.sha256, entry.file_bytes = True, sha, size
             if not entry.in_ram:
                 entry.snapshot = None
@@ -204,6 +226,34 @@ class DiskTier:
                 self._doom(entry)
             self._manifest_dirty = True
             self._evict_disk(keep=entry)
+
+    def _make_room(self, entry: Entry, free: int | None) -> bool:
+        """Whether `entry` may be written now, `free` bytes being free: within the cap (the
+        bank's own least recently used files make way) and leaving the margin free (the
+        user's files never make way: the entry waits)."""
+        size = file_bytes(entry.nbytes)
+        cap = self.room.cap(self.disk_budget, self._disk_bytes(), free)
+        if size > cap or not self.room.fits(size, free):
+            return False
+        self._evict_disk(keep=entry, cap=cap - size)
+        return True
+
+    def _wait_for_room(self, entry: Entry, folder: Path, free: int | None) -> None:
+        """No room for `entry` now: it stays in RAM and is tried again in `room.retry_s`;
+        one out of RAM already goes (holding it would overrun the RAM budget)."""
+        entry.writing = False
+        if entry.dropped:
+            return
+        if not entry.in_ram:
+            entry.write_due, entry.no_disk = None, True
+            self._drop(entry)
+            return
+        entry.waiting, entry.write_due = True, self._clock() + self.room.retry_s
+        self.disk_warning = self.room.warning(folder, free or 0)
+        self._space_check_at = entry.write_due
+        if not self._short_of_space:  # once per spell of a full disk, not once per entry
+            self._short_of_space = True
+            log.warning("%s", self.disk_warning)
 
     def _write_manifest(self) -> None:
         folder, _ = self._opened()
@@ -260,8 +310,11 @@ class DiskTier:
         files = sum(e.file_bytes for e in self._entries.values() if e.file)
         return files + sum(r["bytes"] for e in self._entries.values() for r in e.retained)
 
-    def _evict_disk(self, keep: Entry | None = None) -> None:
-        while self._disk_bytes() > self.disk_budget:
+    def _evict_disk(self, keep: Entry | None = None, cap: int | None = None) -> None:
+        """Delete files (superseded ones, then least recently used) until the bank's take
+        `cap` bytes at most (the budget by default)."""
+        cap = self.disk_budget if cap is None else cap
+        while self._disk_bytes() > cap:
             holder = next((e for e in self._entries.values() if e.retained), None)
             if holder is not None:  # superseded files first
                 self._doom(holder)
@@ -299,6 +352,11 @@ class DiskTier:
         if self._manifest_dirty:
             self._write_manifest()
         log.info("session bank: %d entries on disk in %s", sum(e.file for e in self._entries.values()), folder)
+        free = self.room.probe(folder)
+        if not self.room.fits(0, free):  # full at start: said at once, not at the first write
+            self._short_of_space, self._space_check_at = True, self._clock() + self.room.retry_s
+            self.disk_warning = self.room.warning(folder, free or 0)
+            log.warning("%s", self.disk_warning)
 
     def _index_file(self, name: str, sha: str, size: int, metadata: dict, tokens: np.ndarray,
                     last_used: object) -> None:

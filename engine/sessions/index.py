@@ -58,6 +58,7 @@ class Entry:
     file_bytes: int = 0
     write_due: float | None = None  # monotonic time the background write may start
     writing: bool = False
+    waiting: bool = False  # no room on the disk at its last try: tried again later (engine/sessions/room.py)
     no_disk: bool = False  # evicted from disk (or too big): never written again
     dropped: bool = False
     hits: int = 0

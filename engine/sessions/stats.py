@@ -36,6 +36,7 @@ class BankStats:
     ram_entries: int
     disk_entries: int
     pending_writes: int
+    waiting_writes: int  # entries in RAM waiting for room on the disk (engine/sessions/room.py)
     hits_ram: int
     hits_disk: int
     misses: int

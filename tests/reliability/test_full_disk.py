@@ -1,7 +1,8 @@
 """The daemon on a full disk, through the real `mtplxd start`, the `openai` client, httpx
 and `mtplxd status`: it starts with the session bank in RAM only and says so (log,
-/health, status); a disk that fills up while it runs costs the bank its disk writes,
-nothing else; a disk without room even for daemon.pid is one line and an exit code.
+/health, status), and writes to disk on its own once space returns; a disk that fills
+up while it runs costs the bank its disk writes until then, nothing else; a disk without
+room even for daemon.pid is one line and an exit code.
 
 Which full disk. Where this machine allows it (Linux, root, `mount` permitted) each test
 mounts a small tmpfs under its own folder, fills it for real, and unmounts it after.
@@ -231,7 +232,7 @@ def no_traceback(text: str) -> None:
 
 def test_starts_on_a_full_disk_with_the_session_bank_in_ram(full_disk, mimo):
     full_disk.fill(leave=ROOM_FOR_SMALL_FILES)
-    with running_daemon(full_disk.state_dir, mimo, env=full_disk.env) as daemon:
+    with running_daemon(full_disk.state_dir, mimo, env={**full_disk.env, **FAST_WRITES}) as daemon:
         http = httpx.Client(base_url=daemon.base_url, timeout=60)
         health = http.get("/health")
         assert health.status_code == 200 and health.json()["status"] == "ok"
@@ -242,7 +243,7 @@ def test_starts_on_a_full_disk_with_the_session_bank_in_ram(full_disk, mimo):
         again, cached_again = complete(daemon.base_url)
         assert text and cached == 0 and again == text and cached_again > 0  # the RAM tier serves
         disk = http.get("/v1/sessions").json()["disk"]
-        assert disk["budget"] == 0 and disk["entries"] == 0
+        assert disk["entries"] == 0 and disk["waiting_writes"] >= 1, disk  # waits in RAM for room
 
         as_json = status(full_disk.state_dir, "--json")
         report = json.loads(as_json.stdout)
@@ -250,9 +251,17 @@ def test_starts_on_a_full_disk_with_the_session_bank_in_ram(full_disk, mimo):
         assert warnings[0] in report["health"]["warnings"]
         as_text = status(full_disk.state_dir)
         assert as_text.returncode == 0 and f"warning: {warnings[0]}" in as_text.stdout, as_text.stdout
+        assert not list((full_disk.state_dir / "sessions").glob("**/*.safetensors"))
+
+        full_disk.empty()  # space returns: the waiting entry reaches the disk, no restart, no request
+        sessions = lambda: http.get("/v1/sessions").json()["disk"]  # noqa: E731
+        wait_until(lambda: sessions()["entries"] >= 1 and not sessions()["waiting_writes"], what="the disk writes")
+        wait_until(lambda: http.get("/health").json()["warnings"] == [], what="the warning to clear")
+        again, cached = complete(daemon.base_url)
+        assert again == text and cached > 0
         output = output_of(daemon.process)
     assert "RAM only" in (full_disk.state_dir / mtplxd_client.LOG_FILE).read_text()
-    assert not list((full_disk.state_dir / "sessions").glob("**/*.safetensors"))
+    assert list((full_disk.state_dir / "sessions").glob("**/*.safetensors"))
     no_traceback(output)
 
 
@@ -270,8 +279,8 @@ def test_a_disk_filling_up_while_running_costs_only_the_disk_writes(full_disk, m
 
         full_disk.fill()
         text, _ = complete(daemon.base_url)
-        wait_until(lambda: any("session bank: cannot write" in w for w in warnings()), what="a session-bank warning")
-        assert disk()["pending_writes"] == 0  # tried, failed, given up
+        wait_until(lambda: any("disk almost full" in w for w in warnings()), what="a session-bank warning")
+        assert disk()["pending_writes"] == 0 and disk()["waiting_writes"] >= 1  # waits for room in RAM
         again, cached = complete(daemon.base_url)
         assert again == text and cached > 0  # kept in RAM
         forget(http, workspace)  # a new manifest, which cannot be written: tried again later, not in a loop
@@ -286,6 +295,7 @@ def test_a_disk_filling_up_while_running_costs_only_the_disk_writes(full_disk, m
         full_disk.empty()
         complete(daemon.base_url, "# third\n" + PROMPT, workspace)
         wait_until(written, what="a write once there is room again")
+        wait_until(lambda: not disk()["waiting_writes"], what="the waiting entry's write")
         wait_until(lambda: warnings() == [], what="the warnings to clear")
 
         full_disk.fill()  # stopping on a full disk: the flush gives up on the manifest at once

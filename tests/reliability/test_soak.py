@@ -10,8 +10,14 @@ completions abandoned before the reply (a client that goes away).
 Asserted: no 5xx and no unexpected error on any protocol, no client waiting beyond
 OP_TIMEOUT_S on any call (a hung client), the queue empty afterwards, the same greedy
 answer before and after, and MLX memory flat apart from the session bank's own
-growth, which /metrics reports. `make test` runs it for SOAK_S seconds;
-`make test-reliability` for 90 (`--soak-seconds`).
+growth, which /metrics reports. `make test` runs it for 10 seconds;
+`make test-reliability` for 90, or SOAK seconds (`--soak-seconds`).
+
+The memory curve. Every SAMPLE_S seconds a sampler reads the daemon's resident memory
+(/proc) and the bank's RAM tier (/metrics); the soak prints the curve and, from
+SETTLE_MIN_S seconds on, asserts that it settles: RSS less the bank's RAM grows by under
+SETTLE_GROWTH over the soak's last half (a leak grows steadily; the bank is bounded and
+reported on its own). Shorter soaks are mostly warm-up: their curve is printed only.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ MEMORY_SLACK = 32 * 2**20  # MLX's allocator keeps a few buffers of the busiest 
 # (the scheduler's classes are strict priorities): 0.2 s pauses left chat calls ~12 s.
 TYPING_PAUSE_S = 1.0
 RSS_SLACK = 64 * 2**20  # the heap's high-water mark of 32 clients at once (10 MiB seen in 30 s)
+SAMPLE_S = 2.0
+SETTLE_MIN_S = 60.0
+SETTLE_GROWTH = 0.05
 pytestmark = pytest.mark.anyio
 
 
@@ -245,7 +254,7 @@ def figures(base: str) -> dict:
     health = httpx.get(base + "/health", timeout=10).json()
     text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
     metrics = {f.name: f.samples for f in text_string_to_metric_families(text)}
-    bank = sum(s.value for s in metrics.get("mtplxd_session_bytes", []) if s.labels.get("tier") == "ram")
+    bank = bank_ram(text)
     status = Counter()  # by class, and by endpoint; /health's 503s while loading are its answer
     for s in metrics.get("mtplxd_requests", []):
         if s.name.endswith("_total") and s.labels["endpoint"] != "/health":
@@ -253,6 +262,47 @@ def figures(base: str) -> dict:
             status[f"{s.labels['endpoint']} {s.labels['status']}"] += s.value
     return {"active": health["memory"]["active_bytes"], "bank_ram": bank, "queue": health["queue"],
             "http_status": dict(status)}
+
+
+class MemoryCurve:
+    """(seconds since the start, RSS, bank RAM bytes) every SAMPLE_S seconds while the soak runs."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[float, int, int]] = []
+
+    async def sample(self, base: str, pid: int, deadline: float) -> None:
+        started = time.monotonic()
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as h:
+            while time.monotonic() < deadline:
+                rss = rss_bytes(pid)
+                if rss is None:
+                    return  # no /proc: no curve
+                text = (await h.get("/metrics")).text
+                self.points.append((time.monotonic() - started, rss, bank_ram(text)))
+                await asyncio.sleep(SAMPLE_S)
+
+    def less_bank(self, start: float, end: float) -> float:
+        """Median RSS less the bank's RAM over the samples from `start` to `end` seconds."""
+        window = [rss - bank for t, rss, bank in self.points if start <= t <= end]
+        return statistics.median(window) if window else 0.0
+
+    def settle(self, seconds: float) -> dict:
+        """RSS less bank at the start, the middle and the end (medians of short windows,
+        a tenth of the soak each: one sample is noisy), and the growth over the last half."""
+        tenth = max(seconds / 10, 2 * SAMPLE_S)  # a short soak: still a sample or two a window
+        start, middle = self.less_bank(0, tenth), self.less_bank(seconds / 2 - tenth / 2, seconds / 2 + tenth / 2)
+        end = self.less_bank(seconds - tenth, seconds)
+        step = -(-len(self.points) // 30) or 1  # at most 30 points of the curve in the figures
+        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+        return {"rss_less_bank_mib": [mib(start), mib(middle), mib(end)],
+                "bank_ram_mib": [mib(self.points[0][2]), mib(self.points[-1][2])] if self.points else [],
+                "growth_last_half": round((end - middle) / middle, 4) if middle > 0 else None,
+                "curve_mib": [[round(t), mib(rss), mib(bank)] for t, rss, bank in self.points[::step]]}
+
+
+def bank_ram(metrics_text: str) -> int:
+    return int(sum(s.value for f in text_string_to_metric_families(metrics_text) if f.name == "mtplxd_session_bytes"
+                   for s in f.samples if s.labels.get("tier") == "ram"))
 
 
 async def test_soak(daemon, request):
@@ -273,8 +323,9 @@ async def test_soak(daemon, request):
         lambda: lsp_client(info.state_dir, workspace, deadline, tally),
         lambda: abandoning_client(base, deadline, tally),
     ]
-    started = time.monotonic()
-    await asyncio.gather(*(kind() for kind in kinds for _ in range(CLIENTS_PER_KIND)))
+    started, curve = time.monotonic(), MemoryCurve()
+    await asyncio.gather(curve.sample(base, info.process.pid, deadline),
+                         *(kind() for kind in kinds for _ in range(CLIENTS_PER_KIND)))
     elapsed = time.monotonic() - started
     after, rss_after = await _settled(base), rss_bytes(info.process.pid)
     report = {"clients": len(kinds) * CLIENTS_PER_KIND, "seconds": round(elapsed, 1), "ops": dict(tally.ops),
@@ -282,7 +333,8 @@ async def test_soak(daemon, request):
               "http_status_before": before["http_status"], "http_status_after": after["http_status"],
               "mlx_active_growth_mib": round((after["active"] - before["active"]) / 2**20, 1),
               "bank_ram_growth_mib": round((after["bank_ram"] - before["bank_ram"]) / 2**20, 1),
-              "rss_growth_mib": round((rss_after - rss_before) / 2**20, 1) if rss_before else None}
+              "rss_growth_mib": round((rss_after - rss_before) / 2**20, 1) if rss_before else None,
+              "memory": curve.settle(seconds)}
     print("soak figures:", json.dumps(report))
     assert not tally.errors, Counter(e.split(":")[0] for e in tally.errors).most_common() + tally.errors[:5]
     assert sum(tally.ops.values()) >= len(kinds) * CLIENTS_PER_KIND  # every client got through a call
@@ -292,6 +344,9 @@ async def test_soak(daemon, request):
     assert after["active"] - before["active"] <= bank_growth + MEMORY_SLACK
     if rss_before is not None:  # thousands of calls: a leak of even 20 KB a call would show
         assert rss_after - rss_before <= bank_growth + RSS_SLACK, report
+    growth = report["memory"]["growth_last_half"]
+    if seconds >= SETTLE_MIN_S and growth is not None:  # a leak grows on; warm-up is over by half-time
+        assert growth < SETTLE_GROWTH, report["memory"]
 
 
 async def _settled(base: str, timeout: float = 30.0) -> dict:
