@@ -55,14 +55,18 @@ def test_rows_follow_the_lm_head_when_it_is_replaced():
     assert bool(mx.array_equal(draft.rows["weight"], layer.weight[mx.array([2, 7])]).item())
 
 
+def with_draft_vocab(folder, ids: list[int]):
+    """The MiMo fixture in `folder`, its heads in a sidecar with the draft ids beside them."""
+    sidecar = folder / "mtp.safetensors"
+    heads = mx.load(str(sidecar))
+    mx.save_safetensors(str(sidecar), {**heads, DRAFT_VOCAB_KEY: mx.array(ids, dtype=mx.int32)})
+    return folder
+
+
 @pytest.fixture
 def folder(tmp_path):
-    """The MiMo fixture (vocabulary 16), its heads in a sidecar with the draft ids beside them."""
-    out = write("mimo", tmp_path / "mimo", mtp_heads=2, sidecar=True, n_chars=9)
-    sidecar = out / "mtp.safetensors"
-    heads = mx.load(str(sidecar))
-    mx.save_safetensors(str(sidecar), {**heads, DRAFT_VOCAB_KEY: mx.array(IDS, dtype=mx.int32)})
-    return out
+    """Vocabulary 16, of which IDS are the draft vocabulary."""
+    return with_draft_vocab(write("mimo", tmp_path / "mimo", mtp_heads=2, sidecar=True, n_chars=9), IDS)
 
 
 def test_heads_draft_only_inside_the_vocabulary(folder):
@@ -105,3 +109,20 @@ def test_output_distribution_stays_exact(folder, sampler_name):
 def test_negative_control_fails_with_the_draft_vocabulary(folder, monkeypatch):
     monkeypatch.setattr(engine.generation, "compiled_verify", broken_verify)
     assert _pvalue(folder, "t1.0", n=800) < 1e-6
+
+
+def test_rows_in_a_batch_decode_as_alone(tmp_path):
+    """The batch's drafts (every row's head at once) read the same rows as a row alone."""
+    from tests.test_batch import ROWS, _batched, _solo
+
+    plain = write("mimo", tmp_path / "mimo", mtp_heads=2, sidecar=True)
+    vocab = Engine.load(plain).backend.trunk.args.vocab_size
+    engine_ = Engine.load(with_draft_vocab(plain, list(range(0, vocab, 2))))
+    assert engine_.backend.draft_vocab is not None
+    for row, gen in zip(ROWS, _batched(engine_)):
+        prompt, sampler = row[0], row[1]
+        got, want = gen.tokens[len(prompt):], _solo(engine_, *row).tokens[len(prompt):]
+        if sampler.greedy:
+            assert_greedy_agree(engine_.backend, list(prompt), want, got)
+        else:
+            assert got == want, f"seeded row {prompt[:3]}...: {got} alone {want}"
