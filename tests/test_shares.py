@@ -4,8 +4,11 @@ through the real scheduler on a tiny checkpoint: counted in passes and steps, ne
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import anyio
+import httpx
 import pytest
 
 from mtplxd.requests import Done, Priority, TextDelta
@@ -128,3 +131,52 @@ async def test_a_normal_request_finishes_during_an_interactive_storm(engine_, pa
 
 async def _collect(ticket, events: list) -> None:
     events.extend([e async for e in ticket])
+
+
+# -- through the real daemon -----------------------------------------------------------------
+
+
+def test_a_chat_completes_while_editors_send_completions_back_to_back(tmp_path):
+    """The embedded model behind the real daemon, through the `openai` client: four editors
+    send interactive completions back to back; a streamed chat sent meanwhile completes while
+    they keep going, and /metrics shows the queue wait of both classes."""
+    import openai
+
+    from tests.daemon_fixture import running_daemon
+    from tests.test_openai import metrics
+
+    with running_daemon(tmp_path / "state", None) as daemon:
+        client = openai.OpenAI(base_url=daemon.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        stop, done = threading.Event(), []
+
+        def editor() -> None:
+            while not stop.is_set():
+                client.completions.create(model="default", prompt="def add(a, b):\n    ", max_tokens=24,
+                                          extra_body={"ignore_eos": True},
+                                          extra_headers={"X-Mtplx-Priority": "interactive"})
+                done.append(time.monotonic())
+
+        editors = [threading.Thread(target=editor) for _ in range(4)]
+        for thread in editors:
+            thread.start()
+        try:
+            while len(done) < 8:  # the editors are busy
+                time.sleep(0.01)
+            sent = time.monotonic()
+            stream = client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=48, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            chunks = list(stream)
+            finished = time.monotonic()
+        finally:
+            stop.set()
+            for thread in editors:
+                thread.join()
+        assert chunks[-1].usage.completion_tokens == 48
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert sum(sent < t < finished for t in done) >= 1  # the editors kept completing meanwhile
+        with httpx.Client(base_url=daemon.base_url, timeout=30) as http:
+            samples = metrics(http)
+        waits = {s.labels["class"]: s.value for s in samples["mtplxd_queue_wait_seconds"]
+                 if s.name == "mtplxd_queue_wait_seconds_count"}
+        assert waits["interactive"] >= 8 and waits["normal"] == 1
