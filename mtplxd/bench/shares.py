@@ -49,9 +49,15 @@ def chat_answer(client: httpx.Client, max_tokens: int) -> float:
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if first is None and line.startswith("data: ") and '"content"' in line:
+            if first is None and line.startswith("data: ") and line != "data: [DONE]" and _text_of(line):
                 first = time.perf_counter()
     return (first or time.perf_counter()) - start
+
+
+def _text_of(line: str) -> str:
+    """The text a chat chunk carries (the first chunk carries only the role)."""
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return (choices[0].get("delta") or {}).get("content") or ""
 
 
 def editor_completion(client: httpx.Client, max_tokens: int) -> float:
@@ -96,8 +102,9 @@ def run_phase(base_url: str, phase: str, seconds: float, chat_tokens: int, edito
 
 
 def quantile(values: list[float], q: float) -> float:
+    """The q-quantile; infinite without values (no chat answer came: starved)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("inf")
 
 
 def figures(phases: dict[str, Phase]) -> dict[str, float]:
