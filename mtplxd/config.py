@@ -121,7 +121,7 @@ class Settings:
     # (editor completions) goes first, but a class with work that has been passed over this
     # many passes in a row goes next, so it keeps at least 1 pass in patience + 1 whatever
     # the editors do. Lower favours chats and agents (normal) over editors; higher, editors.
-    patience_normal: int = 1
+    patience_normal: int = 3
     patience_background: int = 8  # warm-ups, prefetches, the calibration
     log_level: str = "info"
     # Largest HTTP request body, bytes (413 beyond): a 1M-token prompt is ~4 MiB of JSON.

@@ -85,7 +85,7 @@ class SchedulerLimits:
     max_cache_bytes: int | None = None  # KV held by open generations before new ones wait
     # Passes a class with work may be passed over in a row before it is due (mtplxd/shares.py);
     # the interactive class is never passed over twice in a row.
-    patience_normal: int = 1
+    patience_normal: int = 3
     patience_background: int = 8
 
     def patience(self) -> dict[Priority, int]:
