@@ -38,7 +38,7 @@ class Shares:
         self.patience = {p: patience[p] for p in Priority}
         self.waited: dict[Priority, int] = {p: 0 for p in Priority}  # passes passed over in a row
         self.unstarted: dict[Priority, int] = {p: 0 for p in Priority}  # passes a new job waited to start
-        self.due_turns = 0  # passes given out of priority order (tests, the bench)
+        self.due_turns = 0  # passes given out of priority order (tests)
 
     def choose(self, ready: Collection[Priority]) -> Priority | None:
         """The class the next pass serves, among `ready` (those with work that can step
@@ -54,7 +54,7 @@ class Shares:
         one that has waited its patience: no higher class starts a new job until it has
         started one. Else new editor completions could take every slot that frees, and a
         chat would never start without ever being passed over as a class."""
-        return self._due(new, self.unstarted)
+        return self._due([p for p in new if p != min(Priority)], self.unstarted)  # the top class outranks all
 
     def started(self, new: Collection[Priority], started: Priority | None) -> None:
         """Record a pass's starts: `new` the classes that had a new job waiting, `started`

@@ -71,6 +71,19 @@ def test_two_due_lower_classes_do_not_shut_the_top_class_out():
     assert longest[I] <= 2
 
 
+def test_a_new_job_that_waited_its_patience_claims_the_next_slot():
+    shares = Shares(PATIENCE)
+    for _ in range(2):
+        assert shares.claims({I, N}) is None
+        shares.started({I, N}, I)  # the editors started theirs, the chat's waited
+    assert shares.claims({I, N}) == N
+    shares.started({I, N}, N)
+    assert shares.claims({I, N}) is None  # started: no claim left
+    for _ in range(5):
+        shares.started({I}, None)
+    assert shares.claims({I}) is None  # nothing outranks the top class: it never claims
+
+
 @pytest.mark.parametrize("patience", [{I: 1, N: 0, B: 8}, {I: 1, N: 2}])
 def test_a_class_must_have_a_patience_of_one_pass_or_more(patience):
     with pytest.raises(ValueError):
