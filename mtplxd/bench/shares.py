@@ -70,30 +70,36 @@ def editor_completion(client: httpx.Client, max_tokens: int) -> float:
 
 
 def run_phase(base_url: str, phase: str, seconds: float, chat_tokens: int, editor_tokens: int) -> Phase:
-    """Clients back to back for `seconds`; what finished before the end counts."""
+    """Clients back to back for `seconds`; the rates and the editors' latencies count what
+    finished before the end."""
     result = Phase(seconds)
     lock = threading.Lock()
     deadline = time.perf_counter() + seconds
 
-    def loop(one: Callable[[httpx.Client], float], record: Callable[[float], None]) -> None:
+    def loop(one: Callable[[httpx.Client], float], record: Callable[[float, bool], None]) -> None:
         with httpx.Client(base_url=base_url, timeout=600) as client:
             while time.perf_counter() < deadline:
                 value = one(client)
-                if time.perf_counter() <= deadline:
-                    with lock:
-                        record(value)
+                with lock:
+                    record(value, time.perf_counter() <= deadline)
 
-    def chat_done(ttft: float) -> None:
-        result.answers += 1
+    def chat_done(ttft: float, in_time: bool) -> None:
+        # Every answer sent in the phase has its first token timed (one that took longer
+        # than the phase counts too); the rate counts answers done within it.
+        result.answers += in_time
         result.chat_ttft_s.append(ttft)
+
+    def editor_done(latency: float, in_time: bool) -> None:
+        if in_time:
+            result.editor_s.append(latency)
 
     threads = []
     if phase in ("chat", "mixed"):
         threads += [threading.Thread(target=loop, args=(lambda c: chat_answer(c, chat_tokens), chat_done))
                     for _ in range(4)]
     if phase in ("editors", "mixed"):
-        threads += [threading.Thread(target=loop, args=(lambda c: editor_completion(c, editor_tokens),
-                                                        result.editor_s.append)) for _ in range(4)]
+        threads += [threading.Thread(target=loop, args=(lambda c: editor_completion(c, editor_tokens), editor_done))
+                    for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
