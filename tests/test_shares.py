@@ -102,7 +102,7 @@ def anyio_backend():
 @pytest.mark.parametrize("patience_normal", [2, 10**6])
 @pytest.mark.parametrize("arrival", [5, 40])
 async def test_a_normal_request_finishes_during_an_interactive_storm(engine_, patience_normal, arrival):  # noqa: F811
-    """Twenty 6-token interactive completions queued at once (the class never runs out of
+    """Forty 6-token interactive completions queued at once (the class never runs out of
     work until they are done). A normal request sent meanwhile finishes before the storm
     ends: sent early (a slot free) it gets its first token within its bound and steps at
     least once in every patience + 1 passes; sent once the interactive jobs hold every
@@ -116,7 +116,7 @@ async def test_a_normal_request_finishes_during_an_interactive_storm(engine_, pa
     events: list = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(scheduler.run)
-        storm = [scheduler.submit(request(6, Priority.INTERACTIVE, mode="ar", ignore_eos=True)) for _ in range(20)]
+        storm = [scheduler.submit(request(6, Priority.INTERACTIVE, mode="ar", ignore_eos=True)) for _ in range(40)]
         for ticket in storm:
             tg.start_soon(_collect, ticket, [])
         while len(steps) < arrival:  # the storm is on
