@@ -6,10 +6,9 @@ Between two engine steps the worker picks the class the next pass serves
 (mtplxd/shares.py: the highest class with work, unless a lower one has been
 passed over its patience's worth of passes in a row), then the next job of
 that class, round-robin inside it, so a long generation cannot starve a short
-one. A cancelled job (client gone, superseded) is
-closed before the next step. Admission control bounds open generations, the
-bytes of cache they hold, and queued jobs; beyond the queue's bound `submit`
-raises `QueueFull`.
+one. A cancelled job (client gone, superseded) is closed before the next step.
+Admission control bounds open generations, the bytes of cache they hold, and
+queued jobs; beyond the queue's bound `submit` raises `QueueFull`.
 
 Continuous batching (engine/batch.py). Once two or more text generations are
 decoding, they decode together: each pass of the worker runs one batched step
