@@ -276,6 +276,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    help="aggregate tok/s and latencies at N concurrent streams, batching on and off (e.g. 1,4,8)")
     p.add_argument("--ranks", metavar="N,N",
                    help="decode tok/s and MTP/AR per world size, the model split over N processes here (e.g. 1,2)")
+    p.add_argument("--shares", action="store_true",
+                   help="4 streaming chats with and without 4 editors sending interactive completions back to "
+                        "back: the chats' answer rate and first-token p99, the editors' p95 (the scheduler's shares)")
+    p.add_argument("--seconds", type=float, default=15.0, metavar="S", help="--shares: length of each phase")
+    p.add_argument("--patience", type=int, metavar="N",
+                   help="--shares: the daemon's patience_normal (default: the setting's default)")
     p.add_argument("--sessions", action="store_true",
                    help="time to first token of a ~2,000-token prompt: cold, warm from RAM, warm from disk "
                         "after a restart, and an 8-turn chat (the session bank)")
@@ -305,6 +311,11 @@ def _bench(args: argparse.Namespace) -> int:
         except ModelError as e:
             print(f"mtplxd bench: {e}", file=sys.stderr)
             return 2
+    if args.shares:
+        from mtplxd.bench import shares as bench_shares
+
+        settings = {} if args.patience is None else {"patience_normal": args.patience}
+        return bench_shares.run(args.model, args.rounds, args.seconds, settings, as_json)
     if args.sessions:
         from mtplxd.bench import sessions as bench_sessions
 

@@ -117,6 +117,12 @@ class Settings:
     # Admission also stops at this many bytes of KV cache held by open generations
     # (None: a quarter of physical memory); beyond it, requests queue.
     max_cache_bytes: int | None = None
+    # Shares of the engine between the priority classes (mtplxd/shares.py): interactive work
+    # (editor completions) goes first, but a class with work that has been passed over this
+    # many passes in a row goes next, so it keeps at least 1 pass in patience + 1 whatever
+    # the editors do. Lower favours chats and agents (normal) over editors; higher, editors.
+    patience_normal: int = 3
+    patience_background: int = 8  # warm-ups, prefetches, the calibration
     log_level: str = "info"
     # Largest HTTP request body, bytes (413 beyond): a 1M-token prompt is ~4 MiB of JSON.
     max_body_bytes: int = 16 * 2**20
@@ -154,6 +160,8 @@ class Settings:
         _check(self.max_active >= 1, f"max_active: must be at least 1, got {self.max_active}")
         _check(self.max_queued >= 0, f"max_queued: must not be negative, got {self.max_queued}")
         _check(self.batch_rows >= 1, f"batch_rows: must be at least 1, got {self.batch_rows}")
+        for name in ("patience_normal", "patience_background"):
+            _check(getattr(self, name) >= 1, f"{name}: must be at least 1, got {getattr(self, name)}")
         _check(self.ranks >= 1, f"ranks: must be at least 1, got {self.ranks}")
         _check(self.rank_timeout_s > 0, f"rank_timeout_s: must be positive, got {self.rank_timeout_s}")
         _check(self.max_cache_bytes is None or self.max_cache_bytes > 0,
@@ -229,6 +237,8 @@ _KINDS = {
     "interactive_reserve": "int",
     "batch_rows": "int",
     "max_cache_bytes": "int?",
+    "patience_normal": "int",
+    "patience_background": "int",
     "log_level": "str",
     "max_body_bytes": "int",
     "allowed_hosts": "list",

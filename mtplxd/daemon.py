@@ -125,6 +125,8 @@ class Daemon:
             default_depth=settings.depth,
             profile=settings.profile,
             batch_rows=settings.batch_rows,
+            patience_normal=settings.patience_normal,
+            patience_background=settings.patience_background,
             max_cache_bytes=settings.max_cache_bytes or physical_memory() // 4,
         )
         self.scheduler = Scheduler(load_engine or self._load, limits,

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # annotations only: importing the adapters never loads MLX or
     from mtplxd.scheduler import Scheduler
     from mtplxd.workspaces import WorkspaceRegistry
 
-# (the job's entry: its `.request`; the event) on the scheduler's worker thread
+# (the job's entry: its `.request` and `.priority`, the class it runs in; the event) on the
+# scheduler's worker thread
 Listener = Callable[[Any, Event], None]
 MAX_PROGRESS = 256  # jobs' counters kept before those of ended jobs are dropped
 

@@ -2,12 +2,13 @@
 
 MLX runs on one dedicated worker thread (an anyio worker thread, so it can
 hand events back to the event loop); the event loop never waits on MLX.
-Between two engine steps the worker picks the next job: the highest
-priority class first, round-robin inside a class, so a long generation
-cannot starve a short one. A cancelled job (client gone, superseded) is
-closed before the next step. Admission control bounds open generations, the
-bytes of cache they hold, and queued jobs; beyond the queue's bound `submit`
-raises `QueueFull`.
+Between two engine steps the worker picks the class the next pass serves
+(mtplxd/shares.py: the highest class with work, unless a lower one has been
+passed over its patience's worth of passes in a row), then the next job of
+that class, round-robin inside it, so a long generation cannot starve a short
+one. A cancelled job (client gone, superseded) is closed before the next step.
+Admission control bounds open generations, the bytes of cache they hold, and
+queued jobs; beyond the queue's bound `submit` raises `QueueFull`.
 
 Continuous batching (engine/batch.py). Once two or more text generations are
 decoding, they decode together: each pass of the worker runs one batched step
@@ -17,8 +18,11 @@ new request's prefill runs in chunks between the batch's steps, a generation
 joins the batch as soon as its first token is out (at the next step boundary),
 and a finished or cancelled one leaves at once. A generation that is alone
 decodes alone, with MTP. Interactive jobs (editor completions) stay out of the
-batch and keep their strict priority: while one has work, the batch waits, so a
-keystroke's completion waits for at most the batched step already running.
+batch and go first: a pass given to the interactive class steps one of them and
+not the batch, so a keystroke's completion waits for at most the batched step
+already running. A storm of them no longer holds the batch back for ever: the
+normal class's patience gives the batch (and a normal job's prefill) one pass in
+every `patience_normal + 1` (mtplxd/shares.py).
 
 The session bank (optional) is bound to the model on the worker thread once it
 has loaded; text jobs look up and offer snapshots there, warm-up jobs
@@ -52,6 +56,7 @@ from mtplxd.calibrate import CalibrateJob, CalibrateRequest
 from mtplxd.jobs import EmbedJob, TextJob, WarmJob, attach_bank, start_job
 from mtplxd.ranks.channel import Close, Join, Leave, Start, Step, StepBatch, row_check
 from mtplxd.ranks.leader import PING_S, Leader, RanksFailed
+from mtplxd.shares import Shares
 from mtplxd.requests import (
     EmbedRequest, Event, Failed, FailureKind, NotReady, Priority, QueueFull, SchedulerStats, State, TextRequest, Ticket,
     WarmRequest,
@@ -77,6 +82,14 @@ class SchedulerLimits:
     profile: str | None = None  # engine/profiles.py; None: chosen from the model
     batch_rows: int = 16  # decoding generations that share a forward pass (1: none do)
     max_cache_bytes: int | None = None  # KV held by open generations before new ones wait
+    # Passes a class with work may be passed over in a row before it is due (mtplxd/shares.py);
+    # the interactive class is never passed over twice in a row.
+    patience_normal: int = 3
+    patience_background: int = 8
+
+    def patience(self) -> dict[Priority, int]:
+        return {Priority.INTERACTIVE: 1, Priority.NORMAL: self.patience_normal,
+                Priority.BACKGROUND: self.patience_background}
 
 
 @dataclass(eq=False)
@@ -106,6 +119,7 @@ class Scheduler:
         self.load_error: str | None = None
         self._cond = threading.Condition()
         self._queues: dict[Priority, deque[_Entry]] = {p: deque() for p in Priority}
+        self.shares = Shares(limits.patience())  # which class each pass serves
         self._stopping = False
         self._ids = itertools.count(1)
         self.completed = self.cancelled = self.steps = 0
@@ -262,29 +276,33 @@ class Scheduler:
                 return
             with self._cond:
                 closing = self._drop_cancelled()
-                entry = None
+                turn = None
                 if not closing:
                     if self._stopping:
                         return
-                    entry = self._pick()
-                    if entry is None and not self._batched:
+                    turn = self._turn()
+                    if turn is None:
                         self._cond.wait(None if self.ranks is None else PING_S)
-            if not closing and entry is None and not self._batched:
+            if not closing and turn is None:
                 if self.ranks is not None:
                     self.ranks.idle()  # outside the lock: a ping is a collective
                 continue
             try:
-                self._serve_once(closing, entry)
+                self._serve_once(closing, turn)
             except RanksFailed:  # reported at the top of the loop
                 pass
 
-    def _serve_once(self, closing: list[_Entry], entry: _Entry | None) -> None:
+    def _serve_once(self, closing: list[_Entry], turn: tuple[Priority, _Entry | None] | None) -> None:
+        """One pass: the batch's step unless the pass is the interactive class's (a
+        pass that closes entries has no class: the batch steps), then one step of
+        the turn's job."""
         for closed in closing:  # outside the lock: closing offers a snapshot to the bank
             self._close(closed)
         for raised in [e for e in self._batched if e.priority == Priority.INTERACTIVE]:
             self._unbatch(raised)  # raised to interactive: it decodes alone, first, from the next pick
+        priority, entry = turn if turn is not None else (None, None)
         # Interactive work never waits behind the batch (normal and background rows).
-        if self._batched and (entry is None or entry.priority != Priority.INTERACTIVE):
+        if self._batched and priority != Priority.INTERACTIVE:
             self._step_batches()
         if entry is not None:
             self._advance(entry)
@@ -296,27 +314,51 @@ class Scheduler:
         self.load_error = self.ranks.failure if self.ranks is not None else None
         self._fail_all(self.failure_message(), "internal")
 
-    def _pick(self) -> _Entry | None:
-        """Class order, round-robin inside a class, the batch's rows aside; a new job
-        needs a free slot."""
-        for priority, queue in self._queues.items():
-            for _ in range(len(queue)):
-                entry = queue.popleft()
-                queue.append(entry)  # rotate: the next pick in this class starts after it
-                if entry in self._batched:
-                    continue
-                if entry.job is not None or self._has_slot(priority):
-                    return entry
+    def _turn(self) -> tuple[Priority, _Entry | None] | None:
+        """(under the lock) The class this pass serves and its job to step (None: only
+        the batch's rows); None when nothing can run. A class is ready when a job of it
+        can step (started, or new with a free slot) or the batch holds rows of it; a
+        class whose only work is new jobs without a slot waits, and once due it claims
+        the next free slot: no higher class starts a new job before it."""
+        running = {e.priority for e in self._batched}
+        running |= {p for p, q in self._queues.items() if any(e.job is not None and e not in self._batched for e in q)}
+        new = {p for p, q in self._queues.items() if any(e.job is None for e in q)}
+        claim = self.shares.claims(new)
+        startable = {p for p in new if self._has_slot(p, claim)}
+        priority = self.shares.choose(running | startable)
+        entry = self._pick(priority, starts=priority in startable) if priority is not None else None
+        self.shares.started(new, priority if entry is not None and entry.job is None else None)
+        return (priority, entry) if priority is not None else None
+
+    def _pick(self, priority: Priority, starts: bool) -> _Entry | None:
+        """Round-robin inside the class, the batch's rows aside; a new job only where
+        `starts` (a free slot, not claimed by a lower class)."""
+        queue = self._queues[priority]
+        for _ in range(len(queue)):
+            entry = queue.popleft()
+            queue.append(entry)  # rotate: the next pick in this class starts after it
+            if entry in self._batched:
+                continue
+            if entry.job is not None or starts:
+                return entry
         return None
 
-    def _has_slot(self, priority: Priority) -> bool:
-        limit = self.limits.max_active
+    def _has_slot(self, priority: Priority, claim: Priority | None = None) -> bool:
+        """Whether a new job of this class may start: `max_active` slots for every class,
+        and `interactive_reserve` more that interactive jobs fill first (so editors do not
+        take the chats' slots). While a lower class claims the next slot (mtplxd/shares.py),
+        a higher class starts nothing that would take it: interactive jobs only within
+        their reserve, normal jobs not at all."""
+        active, reserve = self._active_count(), self.limits.interactive_reserve
+        interactive = sum(e.job is not None for e in self._queues[Priority.INTERACTIVE])
+        claimed = claim is not None and claim > priority
         if priority == Priority.INTERACTIVE:
-            limit += self.limits.interactive_reserve
-        if self._active_count() >= limit:
+            if active >= self.limits.max_active + reserve or (claimed and interactive >= reserve):
+                return False
+        elif claimed or active - min(interactive, reserve) >= self.limits.max_active:
             return False
         budget = self.limits.max_cache_bytes
-        return budget is None or self._active_count() == 0 or self._cache_bytes() < budget
+        return budget is None or active == 0 or self._cache_bytes() < budget
 
     def _cache_bytes(self) -> int:
         """KV and recurrent state held by open generations (the batch's padding included)."""

@@ -80,6 +80,8 @@ def test_precedence_defaults_file_env_flags(tmp_path):
         ("", {}, {"depth": 0}, "depth: must be at least 1"),
         ('profile = "warp"\n', {}, {}, "profile: must be one of sustained, burst, turbo"),
         ("max_active = true\n", {}, {}, "max_active: expected an integer"),
+        ("patience_normal = 0\n", {}, {}, "patience_normal: must be at least 1, got 0"),
+        ("", {"MTPLXD_PATIENCE_BACKGROUND": "-1"}, {}, "patience_background: must be at least 1"),
     ],
 )
 def test_validation_errors_are_one_line(tmp_path, toml, env, flags, message):

@@ -56,6 +56,7 @@ LAYERS = {
     "mtplxd.state_dir": "requests",
     "mtplxd.scheduler": "core",
     "mtplxd.jobs": "core",
+    "mtplxd.shares": "core",
     "mtplxd.workspaces": "core",
     "mtplxd.calibrate": "core",
     "mtplxd.loader": "core",

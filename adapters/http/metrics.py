@@ -38,10 +38,14 @@ class Metrics:
                                  ["class"], registry=r)
         self.active = Gauge("mtplxd_active_generations", "Jobs holding an engine slot", registry=r)
         self.state = Enum("mtplxd_model_state", "Model lifecycle state", states=list(STATES), registry=r)
-        self.ttft = Histogram("mtplxd_time_to_first_token_seconds", "Submit to first generated token",
+        # By priority class: the scheduler's shares (mtplxd/shares.py) bound each class's wait.
+        self.ttft = Histogram("mtplxd_time_to_first_token_seconds", "Submit to first generated token, by "
+                              "priority class", ["class"],
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
-        self.queue_wait = Histogram("mtplxd_queue_wait_seconds", "Submit to a slot (admission control's wait)",
-                                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=r)
+        self.queue_wait = Histogram("mtplxd_queue_wait_seconds", "Submit to the job's first engine step (a slot "
+                                    "and its class's turn), by priority class", ["class"],
+                                    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                    registry=r)
         self.decode_rate = Histogram("mtplxd_decode_tokens_per_second", "Decode speed of finished generations",
                                      buckets=(1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 200, 300, 500, 1000),
                                      registry=r)
@@ -64,10 +68,10 @@ class Metrics:
 
     def attach(self, runtime: Runtime) -> None:
         """Listen to every job's events; read the session bank's counters at scrape time."""
-        runtime.listen(lambda entry, event: self.observe(event))
+        runtime.listen(lambda entry, event: self.observe(event, class_of(entry)))
         self.registry.register(SessionCollector(runtime))
 
-    def observe(self, event: Any) -> None:
+    def observe(self, event: Any, priority_class: str = "normal") -> None:
         if isinstance(event, TextDelta):
             if event.token_ids:
                 self.batch_rows.observe(event.batch)
@@ -75,8 +79,8 @@ class Metrics:
             for i, ok in enumerate(event.accepted):
                 self._count_draft(str(i + 1), ok)
         elif isinstance(event, Done):
-            self.ttft.observe(event.time_to_first_token_s)
-            self.queue_wait.observe(event.queue_wait_s)
+            self.ttft.labels(priority_class).observe(event.time_to_first_token_s)
+            self.queue_wait.labels(priority_class).observe(event.queue_wait_s)
             if event.decode_tokens_per_s > 0:
                 self.decode_rate.observe(event.decode_tokens_per_s)
             self.prompt_tokens.inc(event.usage.prompt_tokens)
@@ -103,6 +107,14 @@ class Metrics:
         for depth, (drafted, accepted) in list(self._tallies.items()):
             self.acceptance.labels(depth).set(accepted / drafted if drafted else 0.0)
         return generate_latest(self.registry)
+
+
+def class_of(entry: Any) -> str:
+    """The priority class a job ran in: the one it was raised to, else the request's."""
+    priority = getattr(entry, "priority", None)  # INTERACTIVE is 0: compare with None, never `or`
+    if priority is None:
+        priority = getattr(entry.request, "priority", None)
+    return priority.name.lower() if priority is not None else "normal"
 
 
 def endpoint_label(path: str) -> str:
