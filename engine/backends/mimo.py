@@ -138,10 +138,7 @@ class MiMoBackend(Backend):
         head = self.heads[k]
         embeds = self.trunk.model.embed_tokens(tokens)
         x = self._step("fuse", head, head.fuse, hidden.shape[1])(hidden, embeds)
-        x = self._run([head], x, [cache])
-        if self.draft_vocab is None:
-            return self._output(head.final_layernorm, x, last)
-        return self._draft_output(head.final_layernorm, x, last)
+        return self._output(head.final_layernorm, self._run([head], x, [cache]), last, self.draft_vocab)
 
     def _run(self, blocks: list[nn.Module], x: mx.array, caches: list) -> mx.array:
         """x [B, L, D] through the blocks, each with its own cache."""
@@ -186,31 +183,22 @@ class MiMoBackend(Backend):
             attended = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=step.mask)
         return self._step("block_output", block, partial(block_output, block), n)(rows, attended)
 
-    def _output(self, norm: nn.Module, x: mx.array, last: bool = False) -> tuple[mx.array, mx.array]:
+    def _output(self, norm: nn.Module, x: mx.array, last: bool = False,
+                draft: DraftVocabulary | None = None) -> tuple[mx.array, mx.array]:
         """(logits, normed hidden): the final norm, then the LM head (on the last
-        position only when `last`)."""
-        def output(x: mx.array) -> tuple[mx.array, mx.array]:
-            h = norm(x)
-            return self._lm_head(h[:, -1:] if last else h), h
-
-        lm_head = self._lm_head_layer()
-        name = "output_last" if last else "output"
-        return self._step(name, norm, output, x.shape[1], [norm.state, lm_head.state])(x)
-
-    def _draft_output(self, norm: nn.Module, x: mx.array, last: bool) -> tuple[mx.array, mx.array]:
-        """_output for a head with a draft vocabulary: its rows only, -inf elsewhere."""
-        draft = cast(DraftVocabulary, self.draft_vocab)
-        draft.follow(self._lm_head_layer())
+        position only when `last`); with `draft`, only its rows, -inf elsewhere."""
+        layer = self.trunk.model.embed_tokens if self.trunk.args.tie_word_embeddings else self.trunk.lm_head
+        if draft is not None:
+            draft.follow(layer)
+            project, state, name = draft.logits, draft.rows, "draft"
+        else:
+            project, state, name = self._lm_head, layer.state, "output"
 
         def output(x: mx.array) -> tuple[mx.array, mx.array]:
             h = norm(x)
-            return draft.logits(h[:, -1:] if last else h), h
+            return project(h[:, -1:] if last else h), h
 
-        name = "draft_last" if last else "draft"
-        return self._step(name, norm, output, x.shape[1], [norm.state, draft.rows])(x)
-
-    def _lm_head_layer(self) -> nn.Module:
-        return self.trunk.model.embed_tokens if self.trunk.args.tie_word_embeddings else self.trunk.lm_head
+        return self._step(f"{name}_last" if last else name, norm, output, x.shape[1], [norm.state, state])(x)
 
     def _lm_head(self, h: mx.array) -> mx.array:
         if self.trunk.args.tie_word_embeddings:
