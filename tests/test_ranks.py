@@ -203,19 +203,29 @@ def test_a_lost_follower_puts_the_daemon_out_of_service(tmp_path, fault):
     assert not alive(follower), "no rank outlives `mtplxd stop`"
 
 
+def _launch_two_ranks(state: Path) -> subprocess.Popen:
+    """`mlx.launch -n 2 ... mtplxd start` on loopback, as a user with two machines types it."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    return subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--", *mtplxd_command(), "start",
+                             "--port", "0", "--state-dir", str(state)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+
+
+def _daemon_url(state: Path, timeout: float = 60) -> str:
+    """Rank 0's address, once it has written daemon.json."""
+    deadline = time.monotonic() + timeout
+    while not (state / "daemon.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return "http://127.0.0.1:{port}".format(**json.loads((state / "daemon.json").read_text()))
+
+
 def test_start_under_mlx_launch(tmp_path):
     """What a user with two machines types, on loopback: mlx.launch starts `mtplxd start`
     on every rank; rank 0 serves, rank 1 follows, `mtplxd stop` ends both."""
-    launcher = Path(sys.executable).parent / "mlx.launch"
     state = tmp_path / "state"
-    launch = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--", *mtplxd_command(), "start",
-                               "--port", "0", "--state-dir", str(state)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    launch = _launch_two_ranks(state)
     try:
-        deadline = time.monotonic() + 60
-        while not (state / "daemon.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        url = "http://127.0.0.1:{port}".format(**json.loads((state / "daemon.json").read_text()))
+        url = _daemon_url(state)
         health, _ = wait_for_status(url, 200, 60)
         assert [r["role"] for r in health["ranks"]["ranks"]] == ["daemon", "follower"]
         reply = httpx.post(url + "/v1/completions", json={"model": "assets", "prompt": PROMPTS[0], "max_tokens": 8,
@@ -287,16 +297,10 @@ def test_rank_0_says_why_when_mlx_launch_stops_it_for_a_follower(tmp_path):
     follower's death, leaves a line in its log saying so (before: only `received SIGTERM`)."""
     from mtplxd import client as daemon_client
 
-    launcher = Path(sys.executable).parent / "mlx.launch"
     state = tmp_path / "state"
-    launch = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--", *mtplxd_command(), "start",
-                               "--port", "0", "--state-dir", str(state)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    launch = _launch_two_ranks(state)
     try:
-        deadline = time.monotonic() + 60
-        while not (state / "daemon.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        url = "http://127.0.0.1:{port}".format(**json.loads((state / "daemon.json").read_text()))
+        url = _daemon_url(state)
         wait_for_status(url, 200, 60)
         follower = _rank_pid(1, state)
         assert follower is not None
