@@ -5,6 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 SHIM_STAMP := $(VENV)/.shim-built
+NATIVE_STAMP := $(VENV)/.native-built
 # Every direct and transitive dependency, for Linux and macOS, at an exact version
 # with the hashes of its files; `make lock` refreshes it.
 LOCK   := requirements.lock
@@ -12,7 +13,7 @@ UV_VERSION := 0.13.9
 
 .PHONY: install lock start test check test-slow test-real test-kernels test-reliability doctor clean real-model browser
 
-install: $(STAMP) $(SHIM_STAMP) real-model
+install: $(STAMP) $(SHIM_STAMP) $(NATIVE_STAMP) real-model
 
 # On an old venv this syncs: what left the lock is uninstalled (scripts/sync_venv.py).
 $(STAMP): pyproject.toml $(LOCK)
@@ -28,6 +29,12 @@ $(SHIM_STAMP): $(STAMP) engine/native/cblas_shim.c scripts/build_blas_shim.sh
 	sh scripts/build_blas_shim.sh $(BIN)/python
 	if [ "$$(uname -s)" != Linux ] || [ -f $(VENV)/lib/mtplxd/libmtplxd_cblas.so ]; then touch $@; fi
 
+# The CPU decode kernel for quantized weights (engine/quantized_rows.py), an MLX
+# extension; on Linux, done only once it is built (macOS needs none).
+$(NATIVE_STAMP): $(STAMP) engine/native/quantized_rows.cpp engine/native/CMakeLists.txt scripts/build_native.sh
+	sh scripts/build_native.sh $(BIN)/python
+	if [ "$$(uname -s)" != Linux ] || ls $(VENV)/lib/mtplxd/_mtplxd_quantized_rows*.so >/dev/null 2>&1; then touch $@; fi
+
 # Resolves pyproject.toml (with the test extras) for every platform at once, keeping
 # the versions already pinned where they still fit; LOCK_FLAGS=--upgrade takes the
 # newest of everything. Run `make test` after it: the lock holds what the suite passed with.
@@ -40,7 +47,7 @@ lock:
 # The real default model, SmolLM2-135M-Instruct from its GGUF file, with the MTP heads
 # mtplxd ships for it, imported into the models folder (scripts/real_model.sh); offline,
 # a message, and the embedded toy model stays the default.
-real-model: $(STAMP) $(SHIM_STAMP)
+real-model: $(STAMP) $(SHIM_STAMP) $(NATIVE_STAMP)
 	sh scripts/real_model.sh $(BIN)
 
 # Chromium for the page's browser tests (tests/test_page.py, Playwright drives it; no

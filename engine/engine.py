@@ -23,6 +23,7 @@ from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
 from engine.checkpoint import CheckpointError, load_weights, read_config, text_config
 from engine.generation import Generation, GenerationRequest
 from engine.quantized import quantization
+from engine.quantized_rows import keep_packed
 from engine.sessions.state import Restore
 
 
@@ -55,7 +56,7 @@ class Engine:
         with lazy_loading() if several else contextlib.nullcontext():
             backend = module.load(folder, config, weights)
         sharding = shard(backend, group) if several else cls.sharding
-        if target is not None and quantization(config) is not None:
+        if target is not None and quantization(config) is not None and not keep_packed(backend.trunk):
             _dequantize(backend.trunk)
         context = int(text_config(config).get("max_position_embeddings") or 4096)
         return cls(folder, backend, report.descriptor, load_tokenizer(folder), context, sharding)
@@ -75,16 +76,17 @@ class Engine:
 
 
 def default_dtype() -> mx.Dtype | None:
-    """float32 on CPU, where half-precision and quantized matmuls skip BLAS (quantized
-    trunks are unpacked there); as stored on Metal."""
+    """float32 on CPU, where half-precision matmuls skip BLAS (quantized trunks keep
+    their packed weights for engine/quantized_rows.py's kernel, or are unpacked where it
+    is not built); as stored on Metal."""
     return None if mx.metal.is_available() else mx.float32
 
 
 def _dequantize(trunk: Any) -> None:
     """Unpack a quantized trunk into plain layers (in the scales' dtype, already the
-    target). Off Metal, quantized matmuls bypass BLAS: a K+1-row verify forward then
-    costs about K+1 single-token ones, and speculation stops paying. The smaller files
-    still saved the download and the disk."""
+    target), where the decode kernel is not built: off Metal, MLX's own quantized
+    matmul costs K+1 single-token products for a K+1-row verify forward, and
+    speculation stops paying."""
     from mlx_lm.utils import dequantize_model
 
     dequantize_model(trunk)

@@ -1,7 +1,8 @@
 """Run the engine tests under every BLAS kernel choice a machine may make (`make test-kernels`).
 
 Which OpenBLAS kernel runs (CPU model, OPENBLAS_CORETYPE, thread count) and which of
-the BLAS shim's few-row kernels serves decode steps (AVX-512, AVX2, none) change the
+the BLAS shim's few-row kernels and the quantized-rows kernel's paths serve decode steps
+(AVX-512, AVX2, none / portable) change the
 order of float additions, so a float comparison that holds on one machine may fail on
 the next. Each configuration runs in a fresh process; the summary lists each one's
 result and, per comparison, the largest difference seen in any of them against its
@@ -27,6 +28,7 @@ ENGINE_TESTS = [
     "tests/test_backends_nemotron_h.py", "tests/test_backends_deepseek_v4.py",
     "tests/test_decode_path.py", "tests/test_session_bank.py", "tests/test_models.py",
     "tests/test_speculative.py", "tests/test_engine_exactness.py", "tests/test_train.py", "tests/test_batch.py",
+    "tests/test_quantized_rows.py", "tests/test_draft_vocab.py",
 ]
 
 UNSET = None

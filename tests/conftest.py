@@ -5,7 +5,9 @@ and two for running it under each BLAS kernel choice (`make test-kernels`):
 
     --few-rows-kernel widest|avx2|off   which of the BLAS shim's few-row kernels serves
                                         decode-sized matmuls (widest: AVX-512 where the
-                                        CPU has it); off: OpenBLAS's sgemm/sgemv
+                                        CPU has it); off: OpenBLAS's sgemm/sgemv; the
+                                        same path of the quantized-rows kernel (off:
+                                        its portable loop)
     --float-report                      print the largest float difference each test saw,
                                         against its bound (tests/floats.py)
     --float-json FILE                   write the same as JSON (scripts/kernel_matrix.py)

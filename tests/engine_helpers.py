@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mtplxd.bench.rows import few_rows_switch
+from engine import quantized_rows
 from engine.engine import Engine
 from engine.generation import Generation, GenerationRequest
 from engine.sampling import SamplerSettings
@@ -150,23 +151,30 @@ def caches_excess(got: list, want: list, ulps: float, what: str = "") -> float:
     return worst
 
 
-# -- the BLAS shim's few-row kernels (tests/conftest.py: --few-rows-kernel) ------------
+# -- the decode kernels (tests/conftest.py: --few-rows-kernel) -------------------------
+# One choice sets both: the BLAS shim's few-row kernel for float weights and the
+# quantized-rows kernel's path (engine/quantized_rows.py) for quantized ones.
 
 KERNELS = {"widest": 1, "avx2": 2, "off": 0}  # the shim's mtplxd_few_rows argument
-_chosen = KERNELS["widest"]
+QUANTIZED_PATHS = {"widest": None, "avx2": "avx2", "off": "portable"}  # None: the best this CPU has
+_chosen = "widest"
 
 
 def choose_kernel(name: str) -> None:
-    """This run's kernel; tests that switch kernels restore it with restore_kernel()."""
+    """This run's kernels; tests that switch kernels restore them with restore_kernel()."""
     global _chosen
-    _chosen = KERNELS[name]
+    _chosen = name
     restore_kernel()
 
 
 def restore_kernel() -> None:
     switch = few_rows_switch()
     if switch is not None:
-        switch(_chosen)
+        switch(KERNELS[_chosen])
+    quantized = quantized_rows.native()
+    if quantized is not None:
+        path = QUANTIZED_PATHS[_chosen]
+        quantized.set_kernel(path if path in quantized.paths() else quantized.paths()[0])
 
 
 def feed_one_by_one(backend, tokens: list[int]) -> tuple[list, list[mx.array]]:

@@ -15,11 +15,13 @@ from mlx.utils import tree_flatten
 
 import engine.conversion
 import engine.engine
+from engine import quantized_rows
 from engine.backends.descriptors import inspect_checkpoint
 from engine.checkpoint import CONVERSION_KEY, CheckpointError, read_header, weight_files
 from engine.conversion import QuantSpec, convert_checkpoint
 from engine.engine import Engine
 from engine.head_export import HEADS_FILE
+from engine.quantized_rows import RowsQuantizedEmbedding, RowsQuantizedLinear
 from mtplxd.cli import main
 from mtplxd.config import ConfigError, load_settings
 from mtplxd.store.models import RECORD_FILE, read_record, resolve_model
@@ -43,8 +45,15 @@ def _head_params(engine_: Engine) -> list[dict[str, np.ndarray]]:
     return [{k: np.array(v) for k, v in tree_flatten(h.parameters())} for h in engine_.backend.heads]
 
 
+def load_unpacked(folder: Path, monkeypatch) -> Engine:
+    """Load on the CPU as where the decode kernel is not built: quantized layers unpacked."""
+    with monkeypatch.context() as m:
+        m.setattr(engine.engine, "keep_packed", lambda model: 0)
+        return Engine.load(folder)
+
+
 def load_as_on_metal(folder: Path, monkeypatch) -> Engine:
-    """Load keeping the quantized layers, as on Metal (on CPU they are unpacked to float32)."""
+    """Load keeping the quantized layers as MLX's own, as on Metal."""
     with monkeypatch.context() as m:
         m.setattr(engine.engine, "default_dtype", lambda: None)
         return Engine.load(folder)
@@ -77,17 +86,25 @@ def test_convert_keeps_heads_in_float(tmp_path, monkeypatch, family, bits):
         assert before.keys() == after.keys()
         for name in before:
             np.testing.assert_array_equal(before[name], after[name], err_msg=name)
-    # On CPU the engine unpacks the quantized trunk: same numbers, BLAS-speed matmuls.
-    unpacked = Engine.load(out)
+    # On the CPU the trunk keeps its packed weights for the decode kernel
+    # (engine/quantized_rows.py), or is unpacked to float32 where the kernel is not
+    # built: the same numbers either way, and the same as MLX's own quantized product.
+    kept, unpacked = Engine.load(out), load_unpacked(out, monkeypatch)
     assert not any(hasattr(m, "scales") for _, m in unpacked.backend.trunk.named_modules())
+    kept_layers = [m for _, m in kept.backend.trunk.named_modules() if hasattr(m, "scales")]
+    if quantized_rows.native() is not None:
+        assert kept_layers and all(isinstance(m, (RowsQuantizedLinear, RowsQuantizedEmbedding))
+                                   for m in kept_layers if type(m).__name__ != "QuantizedSwitchLinear")
     tokens = mx.array([PROMPT])
-    assert_close(unpacked.backend.forward(tokens, unpacked.backend.make_cache())[0],
-                 converted.backend.forward(tokens, converted.backend.make_cache())[0], PATHS_ULPS, "logits")
+    want = converted.backend.forward(tokens, converted.backend.make_cache())[0]
+    for name, loaded in (("unpacked", unpacked), ("kept packed", kept)):
+        assert_close(loaded.backend.forward(tokens, loaded.backend.make_cache())[0], want, PATHS_ULPS,
+                     f"logits, {name}")
 
-    ar, _, _ = run(converted, PROMPT, mode="ar", sampler=greedy(), max_tokens=24)
-    mtp, _, results = run(converted, PROMPT, mode="mtp", depth=2, sampler=greedy(), max_tokens=24)
+    ar, _, _ = run(kept, PROMPT, mode="ar", sampler=greedy(), max_tokens=24)
+    mtp, _, results = run(kept, PROMPT, mode="mtp", depth=2, sampler=greedy(), max_tokens=24)
     assert sum(r.drafted for r in results) > 0
-    assert_greedy_agree(converted.backend, PROMPT, ar, mtp)
+    assert_greedy_agree(kept.backend, PROMPT, ar, mtp)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])

@@ -16,6 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.quantized_rows import quantized_matmul
+
 DRAFT_VOCAB_KEY = "model.mtp_draft_vocab"
 
 
@@ -56,8 +58,8 @@ class DraftVocabulary:
             scores = h @ self.rows["weight"].T
         else:
             group_size, bits = self._quantization
-            scores = mx.quantized_matmul(h, self.rows["weight"], self.rows["scales"], self.rows["biases"],
-                                         transpose=True, group_size=group_size, bits=bits)
+            scores = quantized_matmul(h, self.rows["weight"], self.rows["scales"], self.rows["biases"],
+                                      group_size, bits)
         full = mx.full((*scores.shape[:-1], self.vocab_size), -mx.inf, dtype=scores.dtype)
         index = mx.broadcast_to(self.rows["ids"], scores.shape)
         return mx.put_along_axis(full, index, scores, axis=-1)

@@ -1,0 +1,109 @@
+"""Quantized weights kept quantized on the CPU: the decode kernel of engine/native.
+
+MLX's CPU `quantized_matmul` is a plain loop whose cost grows with every row, so
+the engine used to unpack a quantized trunk to float32 when it loaded on the CPU:
+four to eight times the bytes to read for every token. `make install` builds
+engine/native/quantized_rows.cpp into an MLX extension whose product unpacks each
+group of 32 weights once, in registers, for every row of a decode step (a token,
+a verify window, a batch of streams); this module loads it and routes the trunk's
+quantized layers through it. Longer inputs (prefill chunks) unpack each matrix for
+the duration of one product and let BLAS multiply: there the weights are read once
+for hundreds of rows.
+
+Metal keeps MLX's own kernels; without the extension (no compiler at install,
+another platform) the engine unpacks as before and `describe()` says so.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+import mlx.nn as nn
+
+NATIVE_DIR = Path(sys.prefix) / "lib" / "mtplxd"
+MODULE_NAME = "_mtplxd_quantized_rows"
+# Up to this many rows a product runs in the kernel; more rows unpack the matrix for
+# BLAS (scripts/quantized_rows_bench.py measured where the two cross).
+ROWS_MAX = 32
+BITS = (4, 8)
+CHUNK = 32  # the kernel reads groups in chunks of 32 values
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def native() -> ModuleType | None:
+    """The built extension, or None (Metal, not built, or built against another MLX)."""
+    if mx.metal.is_available():
+        return None
+    built = sorted(NATIVE_DIR.glob(f"{MODULE_NAME}*.so"))
+    if not built:
+        return None
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(built[0]))
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, built[0], loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except ImportError as error:  # e.g. MLX was upgraded after the build
+        log.warning("the quantized decode kernel %s does not load (%s): run `make install`", built[0], error)
+        return None
+
+
+def describe() -> str:
+    """One line for `mtplxd doctor` and the engine's load report."""
+    module = native()
+    if mx.metal.is_available():
+        return "quantized weights: MLX's Metal kernels"
+    if module is None:
+        return "quantized weights: unpacked to float32 at load (no decode kernel built: run `make install`)"
+    return f"quantized weights: kept packed, decode kernel {module.kernel()} up to {ROWS_MAX} rows"
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
+                     group_size: int, bits: int) -> mx.array:
+    """x [..., K] @ dequantize(w, scales, biases)^T (MLX's affine layout)."""
+    module = native()
+    fits = (module is not None and biases is not None and bits in BITS and group_size % CHUNK == 0
+            and x.dtype == scales.dtype == biases.dtype == mx.float32)
+    if not fits:
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    assert module is not None and biases is not None
+    if x.size // x.shape[-1] > ROWS_MAX:
+        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
+    return module.quantized_rows(x, w, scales, biases, group_size, bits)
+
+
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits)
+        return y + self["bias"] if "bias" in self else y
+
+
+class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits)
+
+
+def keep_packed(model: nn.Module) -> int:
+    """Route every affine-quantized layer of `model` through the kernel; returns how
+    many (none where the kernel is not built). The twins add behaviour only (same parameters, same names), so each layer
+    changes class in place rather than being rebuilt: no weight is copied."""
+    if native() is None:
+        return 0
+    twins: dict[type, type] = {nn.QuantizedLinear: RowsQuantizedLinear, nn.QuantizedEmbedding: RowsQuantizedEmbedding}
+    count = 0
+    for _, module in model.named_modules():
+        twin = twins.get(type(module))
+        if twin is not None and getattr(module, "mode", "affine") == "affine":
+            module.__class__ = twin
+            count += 1
+    return count

@@ -1,0 +1,119 @@
+"""The CPU decode kernel for quantized weights (engine/native/quantized_rows.cpp,
+engine/quantized_rows.py): every path this CPU has (AVX-512, AVX2, portable) against
+a float64 product of the dequantized weights, at 4 and 8 bits and groups of 32 to 128,
+for 1 to ROWS_MAX rows, in batches, on strided inputs and inside mx.compile; longer
+inputs through the unpacking path; its refusals; and negative controls: kernels with a
+plausible bug (the nibbles of a byte read in the other order, one group's scale
+applied to the next) fall far outside the bound that the real one holds.
+
+Models through the kernel are compared with unpacked weights in test_models.py."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import quantized_rows
+from tests.engine_helpers import restore_kernel
+from tests.floats import DOT_ULPS, assert_close, excess
+
+pytestmark = pytest.mark.skipif(sys.platform == "darwin", reason="macOS: MLX's Metal kernels serve quantized weights")
+
+@pytest.fixture
+def kernel():
+    module = quantized_rows.native()
+    assert module is not None, "the decode kernel is not built: run `make install` (needs c++ and cmake)"
+    yield module
+    restore_kernel()  # the path this run asked for (--few-rows-kernel)
+
+
+def weights(n: int, k: int, bits: int, group: int, seed: int = 0):
+    w = mx.random.normal((n, k), key=mx.random.key(seed))
+    return mx.quantize(w, group_size=group, bits=bits)
+
+
+def reference(x: mx.array, packed, bits: int, group: int) -> np.ndarray:
+    """float64 product with the dequantized weights."""
+    w = np.array(mx.dequantize(*packed, group_size=group, bits=bits), dtype=np.float64)
+    return np.array(x, dtype=np.float64) @ w.T
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)])
+def test_every_path_equals_float64(kernel, bits, group):
+    # 99 output rows: not a multiple of the 4 or 2 weight rows a vector path takes at once
+    packed = weights(99, 640, bits, group)
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16, quantized_rows.ROWS_MAX):
+            x = mx.random.normal((rows, 640), key=mx.random.key(rows))
+            got = kernel.quantized_rows(x, *packed, group, bits)
+            assert_close(np.array(got), reference(x, packed, bits, group), DOT_ULPS,
+                         what=f"{name} {bits}-bit", where=f"group {group}, {rows} rows")
+
+
+def test_the_paths_this_machine_should_have(kernel):
+    """On x86-64 the two vector paths are there whenever the CPU has the instructions."""
+    found = kernel.paths()
+    assert found[-1] == "portable" and kernel.kernel() in found
+    flags = open("/proc/cpuinfo").read() if sys.platform.startswith("linux") else ""
+    assert ("avx512" in found) == (" avx512f" in flags)
+    assert ("avx2" in found) == (" avx2" in flags and " fma" in flags)
+
+
+def test_negative_controls_fall_outside_the_bound(kernel):
+    """What two plausible bugs would compute is caught by the same bound."""
+    bits, group = 4, 32
+    packed = weights(64, 576, bits, group)
+    x = mx.random.normal((3, 576), key=mx.random.key(7))
+    got = np.array(kernel.quantized_rows(x, *packed, group, bits))
+    w, scales, biases = packed
+    # the two values of each byte read in the other order
+    swapped = ((w & 0x0F0F0F0F) << 4) | ((w >> 4) & 0x0F0F0F0F)
+    assert excess(got, reference(x, (swapped, scales, biases), bits, group), DOT_ULPS, "nibbles swapped") > 100
+    # each group's scale and bias taken from the group before it
+    shifted = (mx.roll(scales, 1, axis=1), mx.roll(biases, 1, axis=1))
+    assert excess(got, reference(x, (w, *shifted), bits, group), DOT_ULPS, "scales shifted") > 100
+
+
+def test_batches_strides_and_compile(kernel):
+    bits, group = 4, 64
+    packed = weights(48, 256, bits, group)
+    x = mx.random.normal((2, 3, 256), key=mx.random.key(1))
+    want = reference(x.reshape(6, 256), packed, bits, group).reshape(2, 3, 48)
+    assert_close(np.array(kernel.quantized_rows(x, *packed, group, bits)), want, DOT_ULPS, "batched rows")
+    strided = mx.random.normal((256, 5), key=mx.random.key(2)).T  # a transposed view: not row-contiguous
+    assert_close(np.array(kernel.quantized_rows(strided, *packed, group, bits)),
+                 reference(strided, packed, bits, group), DOT_ULPS, "strided rows")
+    compiled = mx.compile(lambda a: kernel.quantized_rows(a * 2.0, *packed, group, bits) + 1.0)
+    assert_close(np.array(compiled(x)), 2.0 * want + 1.0, DOT_ULPS, "inside mx.compile")
+
+
+def test_longer_inputs_unpack_for_blas(kernel):
+    """Above ROWS_MAX rows the product unpacks the matrix (same numbers, BLAS speed)."""
+    bits, group = 8, 32
+    packed = weights(40, 128, bits, group)
+    x = mx.random.normal((quantized_rows.ROWS_MAX + 7, 128), key=mx.random.key(3))
+    got = quantized_rows.quantized_matmul(x, *packed, group, bits)
+    assert_close(np.array(got), reference(x, packed, bits, group), DOT_ULPS, "unpacked path")
+
+
+def test_inputs_it_does_not_take_are_refused(kernel):
+    w, scales, biases = weights(8, 64, 4, 32)
+    x = mx.ones((1, 64))
+    cases = [
+        ((x, w, scales, biases, 32, 3), "bits must be 4 or 8"),
+        ((x, w, scales, biases, 48, 4), "group_size must be a multiple of 32"),
+        ((x.astype(mx.float16), w, scales, biases, 32, 4), "must be float32"),
+        ((mx.ones((1, 32)), w, scales, biases, 32, 4), "x has 32 columns, w holds 64"),
+        ((x, w, scales[:, :1], biases, 32, 4), "scales and biases must be [N, K / group_size]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            kernel.quantized_rows(*args)
+    # the routing function leaves what the kernel does not take to MLX
+    half = quantized_rows.quantized_matmul(x.astype(mx.float16), w, scales.astype(mx.float16),
+                                           biases.astype(mx.float16), 32, 4)
+    assert half.dtype == mx.float16
