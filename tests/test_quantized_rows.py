@@ -63,6 +63,25 @@ def test_the_paths_this_machine_should_have(kernel):
     assert ("avx2" in found) == (" avx2" in flags and " fma" in flags)
 
 
+def test_helper_threads_change_nothing(kernel):
+    """A large product is split by weight rows over helper threads; each output is
+    still computed by one thread with the same code: bitwise the same result."""
+    packed = weights(1000, 1024, 4, 64)
+    x = mx.random.normal((8, 1024), key=mx.random.key(5))
+    threads = kernel.threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            kernel.set_threads(n)
+            assert kernel.threads() == n
+            results.append(np.array(kernel.quantized_rows(x, *packed, 64, 4)))
+    finally:
+        kernel.set_threads(threads)
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+    assert_close(results[0], reference(x, packed, 4, 64), DOT_ULPS, "split over threads")
+
+
 def test_negative_controls_fall_outside_the_bound(kernel):
     """What two plausible bugs would compute is caught by the same bound."""
     bits, group = 4, 32

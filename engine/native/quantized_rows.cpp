@@ -22,11 +22,18 @@
 // mx.compile'd functions) like any other op; engine/cpu_kernels.py loads it.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
+
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -56,8 +63,8 @@ struct Problem {
   const uint8_t* w; // [n, k * bits / 8]
   const float* scales; // [n, k / group]
   const float* biases;
-  float* out; // [m, n]
-  int m, n, k, group, bits;
+  float* out; // [m, n], rows `ld` apart
+  int m, n, k, group, bits, ld;
 
   size_t row_bytes() const { return size_t(k) * bits / 8; }
   int groups() const { return k / group; }
@@ -83,7 +90,7 @@ void rows_portable(const Problem& p, int r0, int rows) {
         for (int i = 0; i < rows; ++i) acc[i] += w * p.x[(r0 + i) * p.k + c];
       }
     }
-    for (int i = 0; i < rows; ++i) p.out[(r0 + i) * p.n + j] = float(acc[i]);
+    for (int i = 0; i < rows; ++i) p.out[(r0 + i) * p.ld + j] = float(acc[i]);
   }
 }
 
@@ -143,7 +150,7 @@ void rows512(const Problem& p, const float* x, int j0, int r0) {
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < M; ++i) p.out[size_t(r0 + i) * p.n + j0 + r] = _mm512_reduce_add_ps(acc[r][i]);
+    for (int i = 0; i < M; ++i) p.out[size_t(r0 + i) * p.ld + j0 + r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
 template <int M>
@@ -206,11 +213,93 @@ void block256(const Problem& p, int r0) {
         }
       }
     }
-    for (int i = 0; i < M; ++i) p.out[size_t(r0 + i) * p.n + j] = hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
+    for (int i = 0; i < M; ++i) p.out[size_t(r0 + i) * p.ld + j] = hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
   }
 }
 
 #endif // MTPLXD_X86
+
+// ---- helper threads ----------------------------------------------------------
+// A product is split by weight rows over the calling thread (MLX's CPU worker) and a
+// few helpers. Products of a decode step take tens of microseconds, about what
+// waking a sleeping thread costs, so after each one the helpers keep watching for
+// the next for SPIN (yielding their core to any thread that wants it) before they
+// sleep: within a step, where products follow each other closely, they are awake.
+
+constexpr size_t PARALLEL_MIN_MACS = size_t(1) << 19; // smaller products stay on one thread
+constexpr auto SPIN = std::chrono::microseconds(300);
+
+class Helpers {
+ public:
+  int size() const { return count_; }
+
+  // Threads in all, the caller included; started on the next product.
+  void set_threads(int threads) {
+    stop();
+    count_ = std::max(threads, 1) - 1;
+  }
+
+  // job(0) here, job(1 .. size()) on the helpers; returns once all have run.
+  void run(const std::function<void(int)>& job) {
+    if (threads_.size() != size_t(count_)) start();
+    job_ = &job;
+    remaining_.store(count_, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    job(0);
+    while (remaining_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  }
+
+ private:
+  void start() {
+    stop();
+    stopping_ = false;
+    uint64_t now = generation_.load();  // read here: a helper that read it itself could miss the first product
+    for (int i = 0; i < count_; ++i) threads_.emplace_back([this, i, now] { work(i + 1, now); });
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+  void work(int slice, uint64_t seen) {
+    for (;;) {
+      auto until = std::chrono::steady_clock::now() + SPIN;
+      while (generation_.load(std::memory_order_acquire) == seen && !stopping_ &&
+             std::chrono::steady_clock::now() < until)
+        std::this_thread::yield();
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load() != seen || stopping_; });
+        if (stopping_) return;
+        seen = generation_.load();
+      }
+      (*job_)(slice);
+      remaining_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  int count_ = int(std::min(std::thread::hardware_concurrency(), 4u)) - 1;
+  std::vector<std::thread> threads_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> remaining_{0};
+  const std::function<void(int)>* job_ = nullptr;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+};
+
+// Never destroyed: joining threads while the process exits is not worth the risk.
+Helpers& helpers = *new Helpers();
 
 // ---- choosing a path --------------------------------------------------------
 
@@ -260,12 +349,17 @@ std::vector<float> interleaved_like_nibbles(const float* x, int m, int k) {
   return out;
 }
 
-void compute(Problem p) {
-  std::vector<float> reordered;
-  if (level != PORTABLE && p.bits == 4) {
-    reordered = interleaved_like_nibbles(p.x, p.m, p.k);
-    p.x = reordered.data();
-  }
+// The weight rows [j0, j1) of the product: a slice of the output's columns.
+Problem columns(Problem p, int j0, int j1) {
+  p.w += size_t(j0) * p.row_bytes();
+  p.scales += size_t(j0) * p.groups();
+  p.biases += size_t(j0) * p.groups();
+  p.out += j0;
+  p.n = j1 - j0;
+  return p;
+}
+
+void compute_columns(const Problem& p) {
   for (int r0 = 0; r0 < p.m; r0 += ROW_BLOCK) {
     int rows = std::min(ROW_BLOCK, p.m - r0);
 #ifdef MTPLXD_X86
@@ -276,6 +370,22 @@ void compute(Problem p) {
 #endif
     rows_portable(p, r0, rows);
   }
+}
+
+void compute(Problem p) {
+  std::vector<float> reordered;
+  if (level != PORTABLE && p.bits == 4) {
+    reordered = interleaved_like_nibbles(p.x, p.m, p.k);
+    p.x = reordered.data();
+  }
+  int slices = size_t(p.m) * p.n * p.k >= PARALLEL_MIN_MACS ? helpers.size() + 1 : 1;
+  if (slices == 1) return compute_columns(p);
+  // Whole groups of 4 weight rows a slice, as the vector paths take them.
+  int per_slice = (p.n / slices + 3) / 4 * 4;
+  helpers.run([&](int slice) {
+    int j0 = std::min(p.n, slice * per_slice), j1 = slice + 1 == slices ? p.n : std::min(p.n, j0 + per_slice);
+    if (j0 < j1) compute_columns(columns(p, j0, j1));
+  });
 }
 
 const char* level_name(Level l) {
@@ -295,7 +405,7 @@ class QuantizedRows : public mx::Primitive {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     int k = x.shape(-1), n = w.shape(0);
     Problem p{x.data<float>(), w.data<uint8_t>(), scales.data<float>(), biases.data<float>(),
-              out.data<float>(), int(x.size() / k), n, k, group_, bits_};
+              out.data<float>(), int(x.size() / k), n, k, group_, bits_, n};
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
@@ -358,6 +468,9 @@ NB_MODULE(_mtplxd_quantized_rows, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "x [..., K] @ dequantize(w, scales, biases)^T on the CPU, for MLX's affine 4- and 8-bit weights.");
   m.def("kernel", []() { return std::string(level_name(level)); }, "The path in use: avx512, avx2 or portable.");
+  m.def("threads", []() { return helpers.size() + 1; }, "Threads a large product runs on, the caller included.");
+  m.def("set_threads", [](int threads) { helpers.set_threads(threads); },
+        "Run large products on this many threads (the caller included; 1: no helpers).");
   m.def("paths", []() {
     std::vector<std::string> names;
     for (int l = best; l >= PORTABLE; --l) names.push_back(level_name(Level(l)));
