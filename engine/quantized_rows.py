@@ -60,13 +60,13 @@ def native() -> ModuleType | None:
 
 
 def describe() -> str:
-    """One line for `mtplxd doctor` and the engine's load report."""
+    """How quantized weights run here, in one line (`mtplxd doctor`, the benches)."""
     module = native()
     if mx.metal.is_available():
-        return "quantized weights: MLX's Metal kernels"
+        return "MLX's Metal kernels"
     if module is None:
-        return "quantized weights: unpacked to float32 at load (no decode kernel built: run `make install`)"
-    return f"quantized weights: kept packed, decode kernel {module.kernel()} up to {ROWS_MAX} rows"
+        return "unpacked to float32 at load (no decode kernel built: run `make install`)"
+    return f"kept packed, decode kernel {module.kernel()} on {module.threads()} thread(s) up to {ROWS_MAX} rows"
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,

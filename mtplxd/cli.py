@@ -42,12 +42,16 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--model", help="model to measure decoding on (default: the configured one)")
+    p.add_argument("--no-model", action="store_true", help="skip the model: installation checks only")
 
 
 def _doctor(args: argparse.Namespace) -> int:
     from mtplxd.commands import doctor
+    from mtplxd.config import load_settings
 
-    return doctor.run(args.json)
+    model = None if args.no_model else (args.model or str(load_settings({}).model_path))
+    return doctor.run(args.json, model)
 
 
 # -- start / stop / status ------------------------------------------------------
@@ -429,7 +433,8 @@ COMMANDS: dict[str, Command] = {
         _inspect,
     ),
     "doctor": Command(
-        "check the installation: MLX device, which BLAS serves it, measured matmul GFLOP/s",
+        "check the installation: MLX device, which BLAS serves it, matmul GFLOP/s, memory "
+        "bandwidth, and what decoding the model reads per token and achieves",
         _doctor_args,
         _doctor,
     ),

@@ -7,7 +7,9 @@ against unpacked to float32 (what the engine did before), side by side in one pr
    unpack-then-BLAS path, MLX's own quantized_matmul and a float32 matmul, interleaved
    (where the kernel hands over to BLAS: ROWS_MAX).
 2. One trunk forward of 1..16 tokens over a warm cache, both weight forms interleaved.
-3. Decoding (`mtplxd bench`'s held-out code prompts, 64 tokens, T=0 and T=0.6): AR and
+3. Time to first token of a 2,048-token prompt (cold, in 512-token prefill chunks as the
+   engine takes them), both weight forms interleaved.
+4. Decoding (`mtplxd bench`'s held-out code prompts, 64 tokens, T=0 and T=0.6): AR and
    MTP at depths 1 and 2 with both weight forms, the order rotated per prompt so that a
    busy machine slows every side alike. Read the ratios: on a shared machine a single
    absolute figure means little.
@@ -29,22 +31,25 @@ import mlx.core as mx  # noqa: E402
 
 import engine.engine  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.generation import GenerationRequest  # noqa: E402
 from engine.profiles import MEASURED_SAMPLERS  # noqa: E402
 from engine.quantized_rows import describe, native  # noqa: E402
 from mtplxd.bench.decode import Config, Tally, run_once  # noqa: E402
 from mtplxd.calibrate import held_out_prompts  # noqa: E402
+from mtplxd.commands.doctor import measure_read_gbs, weights_read_per_token  # noqa: E402
 from mtplxd.config import load_settings  # noqa: E402
 
 
-def median_us(sides: dict[str, Callable[[], mx.array]], reps: int) -> dict[str, float]:
-    """Each side timed `reps` times, the sides alternating; medians in microseconds."""
+def median_us(sides: dict[str, Callable[[], mx.array]], reps: int, warmup: int = 3) -> dict[str, float]:
+    """Each side timed `reps` times after `warmup` untimed runs, the sides alternating;
+    medians in microseconds."""
     times: dict[str, list[float]] = {name: [] for name in sides}
-    for i in range(reps + 3):
+    for i in range(reps + warmup):
         order = list(sides.items())
         for name, fn in order if i % 2 else order[::-1]:
             start = time.perf_counter()
             mx.eval(fn())
-            if i >= 3:
+            if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: 1e6 * statistics.median(t) for name, t in times.items()}
 
@@ -94,7 +99,26 @@ def one_forward(engines: dict[str, Engine], reps: int) -> None:
         print(f"  {tokens:3d} tokens", "  ".join(f"{k} {v / 1e3:6.1f}" for k, v in median_us(sides, reps).items()))
 
 
-def decode(engines: dict[str, Engine], rounds: int, prompts: int) -> None:
+def first_token(engines: dict[str, Engine], reps: int) -> None:
+    first = next(iter(engines.values()))
+    text = "\n\n".join(held_out_prompts(12, chars=4000))
+    prompt = tuple(first.tokenizer.encode(text))[:2048]
+    assert len(prompt) == 2048, len(prompt)
+
+    def ttft(e: Engine) -> Callable[[], mx.array]:
+        def run() -> mx.array:
+            gen = e.open(GenerationRequest(prompt=prompt, sampler=MEASURED_SAMPLERS["t0"], mode="ar", max_tokens=1))
+            while not gen.finished:
+                gen.step()
+            gen.close()
+            return mx.array(0)
+        return run
+    times = median_us({name: ttft(e) for name, e in engines.items()}, reps, warmup=1)
+    print("time to first token, 2,048-token prompt, cold (s, median):",
+          "  ".join(f"{k} {v / 1e6:.2f}" for k, v in times.items()))
+
+
+def decode(engines: dict[str, Engine], rounds: int, prompts: int) -> dict[tuple, Tally]:
     first = next(iter(engines.values()))
     ids = [tuple(first.tokenizer.encode(p)) for p in held_out_prompts(prompts)]
     sides = [(name, mode, depth) for name in engines for mode, depth in (("ar", 0), ("mtp", 1), ("mtp", 2))]
@@ -116,9 +140,62 @@ def decode(engines: dict[str, Engine], rounds: int, prompts: int) -> None:
             ar = base[name].decoded / base[name].seconds
             reference = tallies[(t, "float32", mode, depth)]
             acceptance = [round(a / n, 2) for a, n in zip(tally.accepted, tally.reached) if n][:depth]
+            per_token = {part: 1e3 * seconds / tally.decoded for part, seconds in
+                         (("wall", tally.seconds), ("python", tally.python_cpu), ("worker", tally.worker_cpu))}
             print(f"  T={MEASURED_SAMPLERS[t].temperature} {name:8} {mode} depth {depth}: {rate:6.1f} tok/s, "
                   f"{rate / ar:.2f}x its AR, {rate / (reference.decoded / reference.seconds):.2f}x float32's, "
-                  f"acceptance {acceptance}")
+                  f"acceptance {acceptance}; ms a token: "
+                  + ", ".join(f"{part} {ms:.1f}" for part, ms in per_token.items()))
+    return tallies
+
+
+def bandwidth(engines: dict[str, Engine], tallies: dict[tuple, Tally]) -> None:
+    """What AR reads a token against the memory's measured read rate."""
+    read_gbs = measure_read_gbs()
+    print(f"where a token's time goes (AR, T=0; memory read {read_gbs:.1f} GB/s, one thread):")
+    for name, e in engines.items():
+        tally = tallies[("t0", name, "ar", 0)]
+        per_token = weights_read_per_token(e.backend.trunk)
+        rate = tally.decoded / tally.seconds
+        floor = no_matmul_floor_ms(e)
+        print(f"  {name:8}: {per_token / 1e6:.0f} MB a token, limit {read_gbs * 1e9 / per_token:.0f} tok/s; "
+              f"achieved {per_token * rate / 1e9:.1f} GB/s ({per_token * rate / 1e9 / read_gbs:.0%} of the limit); "
+              f"a one-token forward with its blocks' matmuls replaced by a trivial op: {floor:.1f} ms "
+              f"(against {1e3 / rate:.1f} ms a decoded token)")
+
+
+def no_matmul_floor_ms(e: Engine, reps: int = 20) -> float:
+    """One-token forward time with every block's linear layer made trivial: what the rest
+    of a step (attention, norms, the LM head, dispatch, graph building) costs."""
+    class Trivial:
+        def __init__(self, out: int):
+            self.out = out
+
+        def __call__(self, x: mx.array) -> mx.array:
+            return mx.zeros((*x.shape[:-1], self.out)) + x[..., :1]
+
+    backend = e.backend
+    saved = []
+    for layer in backend.trunk.model.layers:
+        for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for attr in names:
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, Trivial(getattr(module, attr).weight.shape[0]))
+    backend._compiled.clear()
+    try:
+        cache = backend.make_cache()
+        mx.eval(backend.forward(mx.array([list(range(100, 400))]), cache)[0])
+
+        def step() -> mx.array:
+            for layer in cache:
+                layer.offset = 300
+            return backend.forward(mx.array([[42]]), cache)[0]
+        return median_us({"floor": step}, reps)["floor"] / 1e3
+    finally:
+        for module, attr, layer in saved:
+            setattr(module, attr, layer)
+        backend._compiled.clear()
 
 
 def main() -> int:
@@ -129,13 +206,14 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
     if native() is None:
-        print(describe(), file=sys.stderr)
+        print(f"quantized weights: {describe()}", file=sys.stderr)
         return 2
-    print(describe())
+    print(f"quantized weights: {describe()}")
     one_product(args.reps)
     engines = {"float32": load(args.model, packed=False), "packed": load(args.model, packed=True)}
     one_forward(engines, args.reps)
-    decode(engines, args.rounds, args.prompts)
+    first_token(engines, max(1, args.reps // 10))
+    bandwidth(engines, decode(engines, args.rounds, args.prompts))
     return 0
 
 

@@ -106,6 +106,9 @@ def test_batches_strides_and_compile(kernel):
     strided = mx.random.normal((256, 5), key=mx.random.key(2)).T  # a transposed view: not row-contiguous
     assert_close(np.array(kernel.quantized_rows(strided, *packed, group, bits)),
                  reference(strided, packed, bits, group), DOT_ULPS, "strided rows")
+    every_other = tuple(a[::2] for a in packed)  # views of a weight: strided rows
+    assert_close(np.array(kernel.quantized_rows(x, *every_other, group, bits)),
+                 reference(x.reshape(6, 256), every_other, bits, group).reshape(2, 3, 24), DOT_ULPS, "strided weights")
     compiled = mx.compile(lambda a: kernel.quantized_rows(a * 2.0, *packed, group, bits) + 1.0)
     assert_close(np.array(compiled(x)), 2.0 * want + 1.0, DOT_ULPS, "inside mx.compile")
 

@@ -395,22 +395,48 @@ const char* level_name(Level l) {
 #ifndef MTPLXD_STANDALONE
 // ---- the MLX primitive ------------------------------------------------------
 
+// The elements of `a` (4 bytes each) in row-major order: its own buffer when it is laid
+// out so, else a copy into `copy`. Weights are; an input may be a view (a transposed x).
+// Copying here rather than adding MLX's `contiguous` to the graph spares four operations
+// a product, each with its dispatch cost.
+const void* row_major(const mx::array& a, std::vector<uint32_t>& copy) {
+  if (a.flags().row_contiguous) return a.data<uint32_t>();
+  copy.resize(a.size());
+  const uint32_t* source = a.data<uint32_t>();
+  std::vector<int> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t offset = 0;
+    for (int d = 0; d < int(a.ndim()); ++d) offset += int64_t(index[d]) * a.strides()[d];
+    copy[i] = source[offset];
+    for (int d = int(a.ndim()) - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
+  }
+  return copy.data();
+}
+
 class QuantizedRows : public mx::Primitive {
  public:
   QuantizedRows(mx::Stream stream, int group, int bits) : mx::Primitive(stream), group_(group), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const mx::array &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    int k = x.shape(-1), n = w.shape(0);
-    Problem p{x.data<float>(), w.data<uint8_t>(), scales.data<float>(), biases.data<float>(),
-              out.data<float>(), int(x.size() / k), n, k, group_, bits_, n};
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    // The copies keep the buffers alive until the task has run.
-    encoder.dispatch([p, keep = inputs, out = mx::array::unsafe_weak_copy(out)]() { compute(p); });
+    int k = inputs[0].shape(-1), n = inputs[1].shape(0);
+    Problem p{nullptr, nullptr, nullptr, nullptr, out.data<float>(), int(inputs[0].size() / k), n, k, group_, bits_, n};
+    // The inputs are computed by earlier tasks: read (and, if strided, copied) in this one,
+    // whose copies of them keep their buffers alive until it has run.
+    encoder.dispatch([p, inputs, out = mx::array::unsafe_weak_copy(out)]() mutable {
+      std::vector<uint32_t> copies[4];
+      const void* data[4];
+      for (int i = 0; i < 4; ++i) data[i] = row_major(inputs[i], copies[i]);
+      p.x = static_cast<const float*>(data[0]);
+      p.w = static_cast<const uint8_t*>(data[1]);
+      p.scales = static_cast<const float*>(data[2]);
+      p.biases = static_cast<const float*>(data[3]);
+      compute(p);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -453,9 +479,8 @@ mx::array quantized_rows(const mx::array& x, const mx::array& w, const mx::array
   auto stream = mx::default_stream(mx::Device::cpu);
   mx::Shape shape = x.shape();
   shape.back() = n;
-  std::vector<mx::array> inputs;
-  for (const auto* a : {&x, &w, &scales, &biases}) inputs.push_back(mx::contiguous(*a, false, stream));
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedRows>(stream, group_size, bits), std::move(inputs));
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedRows>(stream, group_size, bits),
+                   std::vector<mx::array>{x, w, scales, biases});
 }
 
 #endif
