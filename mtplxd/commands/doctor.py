@@ -14,6 +14,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 from importlib.metadata import PackageNotFoundError, version
 
 import engine  # loads the fast BLAS before mlx
@@ -86,7 +87,8 @@ def weights_read_per_token(trunk) -> int:
     from mlx.utils import tree_flatten
 
     untied = hasattr(trunk, "lm_head")
-    return sum(v.nbytes for k, v in tree_flatten(trunk.parameters()) if not (untied and "embed_tokens" in k))
+    weights: list[tuple[str, Any]] = tree_flatten(trunk.parameters())
+    return sum(v.nbytes for k, v in weights if not (untied and "embed_tokens" in k))
 
 
 def measure_model(name: str, read_gbs: float) -> ModelReport:
