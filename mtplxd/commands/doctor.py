@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 from importlib.metadata import PackageNotFoundError, version
 
 import engine  # loads the fast BLAS before mlx
@@ -87,7 +87,7 @@ def weights_read_per_token(trunk) -> int:
     from mlx.utils import tree_flatten
 
     untied = hasattr(trunk, "lm_head")
-    weights: list[tuple[str, Any]] = tree_flatten(trunk.parameters())
+    weights = cast("list[tuple[str, Any]]", tree_flatten(trunk.parameters()))
     return sum(v.nbytes for k, v in weights if not (untied and "embed_tokens" in k))
 
 
