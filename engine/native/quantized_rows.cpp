@@ -220,8 +220,8 @@ void block256(const Problem& p, int r0) {
 #endif // MTPLXD_X86
 
 // ---- helper threads ----------------------------------------------------------
-// A product is split by weight rows over the calling thread (MLX's CPU worker) and a
-// few helpers. Products of a decode step take tens of microseconds, about what
+// A product may be split by weight rows over the calling thread (MLX's CPU worker) and
+// a few helpers (off by default, see count_). Products of a decode step take tens of microseconds, about what
 // waking a sleeping thread costs, so after each one the helpers keep watching for
 // the next for SPIN (yielding their core to any thread that wants it) before they
 // sleep: within a step, where products follow each other closely, they are awake.
@@ -288,7 +288,9 @@ class Helpers {
     }
   }
 
-  int count_ = int(std::min(std::thread::hardware_concurrency(), 4u)) - 1;
+  // No helpers unless asked (set_threads): when other work holds the cores, a split
+  // product waits for its slowest slice, and a helper that is not running stalls it.
+  int count_ = 0;
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> remaining_{0};
