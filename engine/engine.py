@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from engine.backends.base import Backend, lazy_loading
 from engine.distributed import shard
@@ -23,7 +24,7 @@ from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
 from engine.checkpoint import CheckpointError, load_weights, read_config, text_config
 from engine.generation import Generation, GenerationRequest
 from engine.quantized import quantization
-from engine.quantized_rows import keep_packed
+from engine.quantized_rows import is_kept, keep_packed
 from engine.sessions.state import Restore
 
 
@@ -56,7 +57,8 @@ class Engine:
         with lazy_loading() if several else contextlib.nullcontext():
             backend = module.load(folder, config, weights)
         sharding = shard(backend, group) if several else cls.sharding
-        if target is not None and quantization(config) is not None and not keep_packed(backend.trunk):
+        if target is not None and quantization(config) is not None:
+            keep_packed(backend.trunk)
             _dequantize(backend.trunk)
         context = int(text_config(config).get("max_position_embeddings") or 4096)
         return cls(folder, backend, report.descriptor, load_tokenizer(folder), context, sharding)
@@ -83,13 +85,21 @@ def default_dtype() -> mx.Dtype | None:
 
 
 def _dequantize(trunk: Any) -> None:
-    """Unpack a quantized trunk into plain layers (in the scales' dtype, already the
-    target), where the decode kernel is not built: off Metal, MLX's own quantized
-    matmul costs K+1 single-token products for a K+1-row verify forward, and
-    speculation stops paying."""
+    """Unpack the quantized layers the decode kernel does not keep (all of them where
+    it is not built; other bit widths; MoE experts) into plain layers, in the scales'
+    dtype (already the target): off Metal, MLX's own quantized matmul costs K+1
+    single-token products for a K+1-row verify forward, and speculation stops paying."""
+    from mlx.utils import tree_unflatten
     from mlx_lm.utils import dequantize_model
 
-    dequantize_model(trunk)
+    unpacked = []
+    for name, module in trunk.named_modules():
+        if name and hasattr(module, "scales") and not is_kept(module):
+            holder = nn.Module()  # mlx-lm unpacks a model's children: give the layer a parent
+            holder.layer = module
+            unpacked.append((name, dequantize_model(holder).layer))
+    if unpacked:
+        trunk.update_modules(tree_unflatten(unpacked))
     mx.eval(trunk.parameters())
 
 

@@ -73,14 +73,17 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                      group_size: int, bits: int) -> mx.array:
     """x [..., K] @ dequantize(w, scales, biases)^T (MLX's affine layout)."""
     module = native()
-    fits = (module is not None and biases is not None and bits in BITS and group_size % CHUNK == 0
-            and x.dtype == scales.dtype == biases.dtype == mx.float32)
-    if not fits:
+    if module is None or biases is None or not takes(bits, group_size) or not (
+            x.dtype == scales.dtype == biases.dtype == mx.float32):
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
-    assert module is not None and biases is not None
     if x.size // x.shape[-1] > ROWS_MAX:
         return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
     return module.quantized_rows(x, w, scales, biases, group_size, bits)
+
+
+def takes(bits: int, group_size: int) -> bool:
+    """Whether the kernel reads this layout."""
+    return bits in BITS and group_size % CHUNK == 0
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
@@ -95,16 +98,21 @@ class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 def keep_packed(model: nn.Module) -> int:
-    """Route every affine-quantized layer of `model` through the kernel; returns how
-    many (none where the kernel is not built). The twins add behaviour only (same parameters, same names), so each layer
-    changes class in place rather than being rebuilt: no weight is copied."""
+    """Route every quantized layer of `model` the kernel takes (affine, 4 or 8 bits,
+    groups of 32) through it; returns how many (none where it is not built). The
+    twins add behaviour only (same parameters, same names), so each layer changes
+    class in place rather than being rebuilt: no weight is copied."""
     if native() is None:
         return 0
     twins: dict[type, type] = {nn.QuantizedLinear: RowsQuantizedLinear, nn.QuantizedEmbedding: RowsQuantizedEmbedding}
     count = 0
     for _, module in model.named_modules():
         twin = twins.get(type(module))
-        if twin is not None and getattr(module, "mode", "affine") == "affine":
+        if twin is not None and module.mode == "affine" and takes(module.bits, module.group_size):
             module.__class__ = twin
             count += 1
     return count
+
+
+def is_kept(module: nn.Module) -> bool:
+    return isinstance(module, (RowsQuantizedLinear, RowsQuantizedEmbedding))

@@ -139,3 +139,23 @@ def test_inputs_it_does_not_take_are_refused(kernel):
     half = quantized_rows.quantized_matmul(x.astype(mx.float16), w, scales.astype(mx.float16),
                                            biases.astype(mx.float16), 32, 4)
     assert half.dtype == mx.float16
+
+
+def test_layers_the_kernel_does_not_take_are_unpacked(kernel):
+    """Loading keeps packed only what the kernel reads; the rest (another bit width here,
+    MoE experts in real models) is unpacked as before, not left to MLX's slow loop."""
+    import mlx.nn as nn
+
+    import engine.engine
+
+    model = nn.Module()
+    model.kept = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    model.other = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=3)
+    x = mx.random.normal((2, 64), key=mx.random.key(9))
+    want = {name: np.array(getattr(model, name)(x)) for name in ("kept", "other")}
+    assert quantized_rows.keep_packed(model) == 1
+    engine.engine._dequantize(model)
+    assert isinstance(model.kept, quantized_rows.RowsQuantizedLinear)
+    assert type(model.other) is nn.Linear
+    for name in ("kept", "other"):
+        assert_close(np.array(getattr(model, name)(x)), want[name], DOT_ULPS, f"{name} after loading")
