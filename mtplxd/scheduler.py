@@ -17,12 +17,15 @@ batch (a prefill chunk, a lone MTP cycle, an embedding), picked as above. So a
 new request's prefill runs in chunks between the batch's steps, a generation
 joins the batch as soon as its first token is out (at the next step boundary),
 and a finished or cancelled one leaves at once. A generation that is alone
-decodes alone, with MTP. Interactive jobs (editor completions) stay out of the
-batch and go first: a pass given to the interactive class steps one of them and
-not the batch, so a keystroke's completion waits for at most the batched step
-already running. A storm of them no longer holds the batch back for ever: the
-normal class's patience gives the batch (and a normal job's prefill) one pass in
-every `patience_normal + 1` (mtplxd/shares.py).
+decodes alone, with MTP. Editors' completions (the interactive class) decode in
+the same batch as everyone else: a row more costs a batched step far less than a
+step of its own, so a storm of editors no longer takes the engine from the chats
+(their shares of separate steps could only add up to one). Interactive work still
+goes first: its prefill runs on the next pass, without waiting for a batch that
+holds none of its rows, so a keystroke's completion waits for at most the batched
+step already running, then rides in the batch. What runs outside the batch (new
+jobs' prefills, lone decodes) is shared by class: the highest first, and a class
+passed over its patience's worth of passes in a row goes next (mtplxd/shares.py).
 
 The session bank (optional) is bound to the model on the worker thread once it
 has loaded; text jobs look up and offer snapshots there, warm-up jobs
@@ -139,7 +142,10 @@ class Scheduler:
         except RuntimeError:  # another anyio backend: hand events over the blocking way
             self._loop = None
         limiter = anyio.CapacityLimiter(1)
-        await anyio.to_thread.run_sync(self._worker, limiter=limiter, abandon_on_cancel=True)
+        try:
+            await anyio.to_thread.run_sync(self._worker, limiter=limiter, abandon_on_cancel=True)
+        finally:  # cancelled (shutdown, a failed caller): the abandoned worker must not wait for ever
+            self.stop()
 
     def submit(self, request: Request) -> Ticket:
         if self.state == "failed":
@@ -205,8 +211,8 @@ class Scheduler:
             self._cond.notify()
 
     def _raise(self, entry: _Entry, priority: Priority) -> None:
-        """Move a queued or running entry to a higher class; an interactive one leaves the
-        batch before the next step (the worker does that: `_serve_once`)."""
+        """Move a queued or running entry to a higher class (a batched row stays in the
+        batch, which now steps on that class's passes too)."""
         with self._cond:
             queue = self._queues[entry.priority]
             if priority >= entry.priority or entry not in queue:
@@ -293,16 +299,15 @@ class Scheduler:
                 pass
 
     def _serve_once(self, closing: list[_Entry], turn: tuple[Priority, _Entry | None] | None) -> None:
-        """One pass: the batch's step unless the pass is the interactive class's (a
-        pass that closes entries has no class: the batch steps), then one step of
-        the turn's job."""
+        """One pass: the batch's step (skipped on an interactive pass while the batch
+        holds no interactive row: a new editor's prefill goes first), then one step of
+        the turn's job. A pass that closes entries has no class: the batch steps."""
         for closed in closing:  # outside the lock: closing offers a snapshot to the bank
             self._close(closed)
-        for raised in [e for e in self._batched if e.priority == Priority.INTERACTIVE]:
-            self._unbatch(raised)  # raised to interactive: it decodes alone, first, from the next pick
         priority, entry = turn if turn is not None else (None, None)
-        # Interactive work never waits behind the batch (normal and background rows).
-        if self._batched and priority != Priority.INTERACTIVE:
+        # An editor's prefill does not wait for a batch that holds no editor's row.
+        if self._batched and (priority != Priority.INTERACTIVE
+                              or any(e.priority == Priority.INTERACTIVE for e in self._batched)):
             self._step_batches()
         if entry is not None:
             self._advance(entry)
@@ -373,7 +378,7 @@ class Scheduler:
     # -- the batch ---------------------------------------------------------------
 
     def _batch_decoding(self) -> None:
-        """Move decoding text generations into a batch (one per MTP depth) once two or
+        """Move decoding text generations, of every class, into a batch (one per MTP depth) once two or
         more decode; a lone row leaves (alone, a generation decodes faster outside).
         Where the calibration measured plain AR faster than MTP at this many rows,
         MTP rows decode plainly from now on (engine/profiles.py's batch_depth)."""
@@ -381,7 +386,7 @@ class Scheduler:
             return
         with self._cond:
             ready = [e for q in self._queues.values() for e in q if e not in self._batched and not e.cancelled
-                     and e.priority != Priority.INTERACTIVE and _decoding(e)]
+                     and _decoding(e)]
         rows = len(self._batched) + len(ready)
         if rows >= 2:
             for entry in ready[: max(0, self.limits.batch_rows - len(self._batched))]:

@@ -13,8 +13,9 @@ turn never shut it out.
 Why patience and not weights: a class that arrives after an idle spell (a keystroke)
 goes first at once, since nobody has waited; a weighted round robin would make it wait
 for credit the others built up. Why passes and not time: a pass is the scheduler's
-unit of work (one engine step of a job, with the batch's step for a lower class),
-which it can count deterministically and tests can check without timing anything.
+unit of work (the batch's step, where every class's decoding rows ride, and one step
+of a job outside it), which it can count deterministically and tests can check without
+timing anything.
 
 Pure bookkeeping, no threads, no engine: the scheduler calls `choose` under its lock
 once a pass (mtplxd/scheduler.py).

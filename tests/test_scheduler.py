@@ -298,6 +298,8 @@ async def test_a_cancelled_row_leaves_the_batch_and_the_others_finish(engine_):
 
 
 async def test_interactive_request_waits_for_at_most_one_batched_step(engine_):
+    """An editor's completion behind a full batch: its prefill goes first (the batch,
+    which holds no editor's row, does not step before it), then it rides in the batch."""
     scheduler = Scheduler(lambda: engine_)
     log: list = []
     async with anyio.create_task_group() as tg:
@@ -308,16 +310,18 @@ async def test_interactive_request_waits_for_at_most_one_batched_step(engine_):
             await anyio.sleep(0.01)
         steps_before = scheduler.steps
         events = [e async for e in scheduler.submit(request(3, Priority.INTERACTIVE, mode="ar", ignore_eos=True))]
-        assert isinstance(events[-1], Done) and all(e.batch == 1 for e in events[:-1])
-        # the batched step already running, then its prefill and two AR steps, none behind the batch
+        assert isinstance(events[-1], Done)
+        first, *rest = events[:-1]
+        assert first.batch == 1 and rest and all(e.batch == 9 for e in rest)  # then one row of the batch
+        # the batched step already running, its prefill, then two batched steps
         assert scheduler.steps - steps_before <= 4
         scheduler.stop()
 
 
-async def test_a_raised_background_row_leaves_the_batch_and_runs_first(engine_):
-    """An editor's prefetch, accepted while it decodes in the batch behind normal streams:
-    raised to interactive, it decodes alone, every step its own, and keeps its tokens; the
-    negative control (not raised) stays in the batch, one token per batched step."""
+async def test_a_raised_background_row_stays_in_the_batch_as_interactive(engine_):
+    """An editor's prefetch, accepted while it decodes in the batch with normal streams:
+    raised to interactive, it keeps its row and its tokens and is served as interactive
+    from then on; the negative control (not raised) stays background."""
     for raise_it in (True, False):
         scheduler = Scheduler(lambda: engine_)
         async with anyio.create_task_group() as tg:
@@ -325,19 +329,19 @@ async def test_a_raised_background_row_leaves_the_batch_and_runs_first(engine_):
             for i in range(4):
                 tg.start_soon(collect, scheduler.submit(request(400, mode="ar", ignore_eos=True)), [], f"n{i}")
             prefetch = scheduler.submit(request(40, Priority.BACKGROUND, mode="ar", ignore_eos=True))
-            before, after = [], []
+            events, classes = [], set()
             async for event in prefetch:
                 if not isinstance(event, TextDelta):
                     break
-                (after if after or len(before) >= 5 else before).append(event)
-                if len(before) == 5 and not after and raise_it:
+                events.append(event)
+                if len(events) == 5 and raise_it:
                     prefetch.raise_priority(Priority.INTERACTIVE)
                     prefetch.raise_priority(Priority.BACKGROUND)  # lowering is not raising: ignored
-            assert all(e.batch > 1 for e in before[1:])  # it was a row of the batch (after its prefill)
-            tokens = sum(len(e.token_ids) for e in before + after)
-            assert tokens == 40  # nothing lost in the move
-            late = [e.batch for e in after[3:]]  # a step or two to leave the batch
-            assert all(b == 1 for b in late) if raise_it else all(b > 1 for b in late)
+                if len(events) > 5:
+                    classes |= {c for i, c, *_ in scheduler.entries() if i == prefetch.id}
+            assert all(e.batch > 1 for e in events[1:])  # a row of the batch after its prefill, throughout
+            assert sum(len(e.token_ids) for e in events) == 40  # nothing lost in the move
+            assert classes == ({"interactive"} if raise_it else {"background"})
             scheduler.stop()
 
 
