@@ -17,6 +17,7 @@ from functools import lru_cache
 # Being inside the engine package, engine/__init__ (the BLAS fix) has already run.
 import mlx.core as mx
 
+from engine.quantized_rows import native
 from engine.sampler_settings import SamplerSettings
 
 
@@ -101,9 +102,12 @@ def _filtered(logits: mx.array, settings: SamplerSettings | _TracedSettings, sho
 
 
 def softmax(logits: mx.array) -> mx.array:
-    """Softmax over the last axis, float32, with power(e, x) for exp: the CPU's
-    `exp` costs ~27 ns an element, `power` under half (a 4096-token row: ~45 us
-    against ~110), and a -inf logit still gets exactly 0."""
+    """Softmax over the last axis, float32. MLX's CPU `exp` costs ~19 ns an element:
+    on the CPU the native module's softmax (engine/native, a vectorized exp: ~4 ns),
+    else power(e, x) (~10 ns). A -inf logit gets exactly 0 either way."""
+    module = native()
+    if module is not None and logits.dtype == mx.float32:
+        return module.softmax(logits)
     shifted = logits - logits.max(axis=-1, keepdims=True)
     weights = mx.power(math.e, shifted)
     return weights / weights.sum(axis=-1, keepdims=True)

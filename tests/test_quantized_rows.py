@@ -10,6 +10,7 @@ Models through the kernel are compared with unpacked weights in test_models.py."
 
 from __future__ import annotations
 
+import io
 import sys
 
 import mlx.core as mx
@@ -159,3 +160,52 @@ def test_layers_the_kernel_does_not_take_are_unpacked(kernel):
     assert type(model.other) is nn.Linear
     for name in ("kept", "other"):
         assert_close(np.array(getattr(model, name)(x)), want[name], DOT_ULPS, f"{name} after loading")
+
+
+SOFTMAX_ULPS = 16  # a few roundings of exp, and of the row's sum (measured: <= 6 on 49,152 values)
+
+
+def softmax64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_softmax_equals_float64_on_every_path(kernel):
+    """The native softmax (MLX's CPU exp costs ~19 ns an element; this one ~3) against
+    float64, on rows as attention and sampling give them: masked positions (-inf, which
+    must give exactly 0), rows shorter than a vector, a vocabulary-sized one, a strided
+    view and a compiled graph; then a negative control."""
+    rng = np.random.default_rng(0)
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        for n in (1, 7, 16, 33, 4096, 49152):
+            x = rng.normal(0, 8, (5, n)).astype(np.float32)
+            if n > 1:
+                x[:, 1::3] = -np.inf
+            got = np.array(kernel.softmax(mx.array(x)))
+            assert_close(got, softmax64(x), SOFTMAX_ULPS, what=f"softmax {name}", where=f"rows of {n}")
+            assert (got[:, 1::3] == 0).all() and np.allclose(got.sum(axis=-1), 1.0, atol=1e-5)
+        far = np.array([[0.0, -80.0, -87.0, -90.0, -200.0]], dtype=np.float32)  # underflow: 0, not garbage
+        assert_close(np.array(kernel.softmax(mx.array(far))), softmax64(far), SOFTMAX_ULPS, f"softmax {name} far")
+    x = mx.array(rng.normal(0, 3, (4, 3, 100)).astype(np.float32))
+    view = x.swapaxes(0, 1)
+    assert_close(np.array(kernel.softmax(view)), softmax64(np.array(view)), SOFTMAX_ULPS, "softmax of a view")
+    compiled = mx.compile(lambda a: kernel.softmax(2.0 * a))
+    assert_close(np.array(compiled(x)), softmax64(2.0 * np.array(x)), SOFTMAX_ULPS, "softmax compiled")
+    wrong = np.array(kernel.softmax(x * 1.0001))  # a temperature off by 1e-4
+    assert excess(wrong, softmax64(np.array(x)), SOFTMAX_ULPS, "softmax, inputs scaled 1e-4") > 10
+    with pytest.raises(ValueError, match="float32"):
+        kernel.softmax(x.astype(mx.float16))
+
+
+def test_the_engine_softmax_takes_the_native_one(kernel):
+    """engine.sampling.softmax (sampling, and attention on the CPU) runs the native
+    softmax where it is built: one Softmax node, not MLX's max, power, sum and divide."""
+    from engine.sampling import softmax
+
+    x = mx.random.normal((3, 50))
+    assert_close(np.array(softmax(x)), softmax64(np.array(x)), SOFTMAX_ULPS, "engine softmax")
+    dot = io.StringIO()
+    mx.export_to_dot(dot, softmax(x))
+    assert "Softmax" in dot.getvalue() and "Power" not in dot.getvalue()

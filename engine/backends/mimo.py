@@ -76,7 +76,7 @@ class StepInputs:
 
     cos: mx.array
     sin: mx.array
-    on_cpu: bool  # a decode-sized step on the CPU: cpu_attention
+    on_cpu: bool  # on the CPU: cpu_attention
     mask: Any  # cpu_attention's grouped boolean mask, or what mlx-lm's attention takes
 
 
@@ -161,7 +161,7 @@ class MiMoBackend(Backend):
         """Rotary slices and mask, built once for all the blocks of a step."""
         rope = cast(RopeTable, self.rope)  # forward takes this path only with a table
         length = x.shape[1]
-        on_cpu = length <= COMPILED_MAX_TOKENS and mx.default_device() == mx.cpu
+        on_cpu = mx.default_device() == mx.cpu  # a prompt's chunk too: the library's attention spends it in `exp`
         if isinstance(cache.offset, mx.array):  # a batch of rows, each at its own position (engine/batch.py)
             cos, sin = rope.rows(cache.offset, length, cache.size())
             mask = create_attention_mask(x, cache, return_array=True)  # [B, 1, L, T]: padding and causality

@@ -109,7 +109,13 @@ class Daemon:
         if address is None:  # `start --detach` returned: the daemon should be listening
             raise RuntimeError(f"the daemon in {self.state} published no address")
         host, port = address
-        return f"http://{host}:{port}"
+        base_url = f"http://{host}:{port}"
+        deadline = time.monotonic() + 600
+        while httpx.get(f"{base_url}/health", timeout=30).status_code != 200:  # a real model loads for seconds
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon in {self.state} did not become ready")
+            time.sleep(0.2)
+        return base_url
 
     def stop(self) -> None:
         subprocess.run([sys.executable, "-m", "mtplxd", "stop", "--state-dir", str(self.state)], check=False,
