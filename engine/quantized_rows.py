@@ -10,6 +10,9 @@ quantized layers through it. Longer inputs (prefill chunks) unpack each matrix f
 the duration of one product and let BLAS multiply: there the weights are read once
 for hundreds of rows.
 
+The same extension has the softmax engine/sampling.py uses on the CPU (sampling, and
+attention in engine/backends/decode_ops.py): MLX's CPU exp is several times slower.
+
 Metal keeps MLX's own kernels; without the extension (no compiler at install,
 another platform) the engine unpacks as before and `describe()` says so.
 """
@@ -76,8 +79,8 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     if module is None or biases is None or not takes(bits, group_size) or not (
             x.dtype == scales.dtype == biases.dtype == mx.float32):
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
-    if x.size // x.shape[-1] > ROWS_MAX:
-        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
+    if x.size // x.shape[-1] > ROWS_MAX:  # a prompt's chunk: unpacked for this one product
+        return x @ module.dequantize(w, scales, biases, group_size, bits).T
     return module.quantized_rows(x, w, scales, biases, group_size, bits)
 
 

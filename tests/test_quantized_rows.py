@@ -19,7 +19,7 @@ import pytest
 
 from engine import quantized_rows
 from tests.engine_helpers import restore_kernel
-from tests.floats import DOT_ULPS, assert_close, excess
+from tests.floats import DOT_ULPS, FEW_OPS_ULPS, assert_close, excess
 
 pytestmark = pytest.mark.skipif(sys.platform == "darwin", reason="macOS: MLX's Metal kernels serve quantized weights")
 
@@ -209,3 +209,55 @@ def test_the_engine_softmax_takes_the_native_one(kernel):
     dot = io.StringIO()
     mx.export_to_dot(dot, softmax(x))
     assert "Softmax" in dot.getvalue() and "Power" not in dot.getvalue()
+
+
+def test_causal_softmax_reads_only_the_keys_before_each_query(kernel, monkeypatch):
+    """Attention scores of 5 new positions after 7 cached ones, for 3 heads sharing a kv
+    head (rows: head, then position): the causal softmax equals a float64 softmax with
+    the causal mask applied, and the CPU attention gives the same with `Causal` as with
+    the boolean mask it used to build. A wrong offset is the negative control."""
+    from mlx_lm.models.base import create_causal_mask
+
+    from engine.backends.decode_ops import Causal, cpu_attention, grouped_mask
+
+    length, offset, group = 5, 7, 3
+    rng = np.random.default_rng(1)
+    scores = rng.normal(0, 4, (2, 1, group * length, offset + length)).astype(np.float32)
+    allowed = np.array(grouped_mask(create_causal_mask(length, offset), group))
+    want = softmax64(np.where(allowed, scores, -np.inf))
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        got = np.array(kernel.softmax(mx.array(scores), length, offset))
+        assert_close(got, want, SOFTMAX_ULPS, what=f"causal softmax {name}")
+        assert (got[..., ~allowed] == 0).all()
+    shifted = np.array(kernel.softmax(mx.array(scores), length, offset + 1))
+    assert excess(shifted, want, SOFTMAX_ULPS, "causal softmax, offset off by one") > 100
+    q = mx.random.normal((1, 2 * group, length, 16), key=mx.random.key(3))
+    k, v = (mx.random.normal((1, 2, offset + length, 16), key=mx.random.key(s)) for s in (4, 5))
+    as_mask = cpu_attention(q, k, v, grouped_mask(create_causal_mask(length, offset), group))
+    assert_close(np.array(cpu_attention(q, k, v, Causal(offset, length))), np.array(as_mask), SOFTMAX_ULPS,
+                 "attention with Causal")
+    from engine.backends import decode_ops
+
+    monkeypatch.setattr(decode_ops, "native", lambda: None)  # without the module: the mask is built
+    assert_close(np.array(cpu_attention(q, k, v, Causal(offset, length))), np.array(as_mask), SOFTMAX_ULPS,
+                 "attention with Causal, no native module")
+    with pytest.raises(ValueError, match="causal rows"):
+        kernel.softmax(mx.array(scores), 4, offset)  # 15 rows are not (heads, 4 positions)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
+def test_unpacking_equals_mlx_on_every_path(kernel, bits, group):
+    """The native unpacking a prompt's chunk multiplies with (MLX's CPU dequantize is ~9x
+    slower) against MLX's own, every path; weights read through a strided view; a
+    scale off in one group is the negative control."""
+    w, scales, biases = weights(37, 384, bits, group)
+    want = np.array(mx.dequantize(w, scales, biases, group_size=group, bits=bits))
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        got = np.array(kernel.dequantize(w, scales, biases, group, bits))
+        assert_close(got, want, FEW_OPS_ULPS, what=f"unpacked {name} {bits}-bit")
+    every_other = (w[::2], scales[::2], biases[::2])
+    assert_close(np.array(kernel.dequantize(*every_other, group, bits)), want[::2], FEW_OPS_ULPS, "strided weights")
+    off = mx.array(np.where(np.arange(scales.size).reshape(scales.shape) == 5, 1.01, 1.0).astype(np.float32)) * scales
+    assert excess(np.array(kernel.dequantize(w, off, biases, group, bits)), want, FEW_OPS_ULPS, "one scale off") > 10

@@ -22,9 +22,13 @@ from __future__ import annotations
 # Being inside the engine package, engine/__init__ (the BLAS fix) has already run.
 import math
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
 
+from engine.quantized_rows import native
 from engine.sampling import softmax
 
 FIRST_SIZE = 4096  # positions tabulated before the first doubling
@@ -90,24 +94,42 @@ def grouped_mask(mask: mx.array | None, group: int) -> mx.array | None:
     return None if mask is None else mx.tile(mask, (group, 1))
 
 
-def cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
-    """Attention of a few query positions, as mx.fast.scaled_dot_product_attention
-    computes it, for decode steps on the CPU; q comes already scaled.
+@dataclass(frozen=True)
+class Causal:
+    """The mask of `length` new positions after `offset` cached ones (query i reads keys
+    0 .. offset + i), as cpu_attention takes it without building it: the native softmax
+    skips the masked scores (a 512-token chunk after 1,500: a [1,536, 2,048] mask a head
+    group and a `where` over 9 million scores a layer, otherwise)."""
 
-    There the softmax dominates: the CPU `exp` costs ~27 ns an element (a verify
-    window of 4 tokens, 3 heads and 450 cached positions: 5,400 of them a layer),
-    while `power(e, x)` (engine.sampling.softmax) costs under half of that: this form
-    took 174 us where the library's took 330 (measured side by side). Not compiled:
+    offset: int
+    length: int
+
+
+def cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | Causal | None) -> mx.array:
+    """Attention as mx.fast.scaled_dot_product_attention computes it, for decode steps
+    and prompt chunks on the CPU; q comes already scaled.
+
+    There the softmax dominates: MLX's CPU `exp` costs ~19 ns an element (a verify
+    window of 4 tokens, 3 heads and 450 cached positions: 5,400 of them a layer; a
+    512-token chunk after 1,500 tokens: 9 million), while engine.sampling.softmax
+    takes ~3 (the native softmax) or ~10 (`power(e, x)`): this form took 174 us where
+    the library's took 330 on a verify window, and a 2,000-token prompt's prefill half
+    the time. Not compiled:
     the key length grows every step and each new shape would be traced again. Metal
     keeps the fused kernel. Shapes: q [B, H, L, D]; k, v [B, H_kv, T, D]; mask
     [H / H_kv * L, T] or [B, 1, H / H_kv * L, T] bool (True = may attend;
-    `grouped_mask`) or None; query head
+    `grouped_mask`), `Causal`, or None; query head
     h reads kv head h // (H / H_kv), as the library's grouped-query attention does.
     """
     B, H, L, D = q.shape
     kv_heads = k.shape[1]
     group = H // kv_heads
     scores = q.reshape(B, kv_heads, group * L, D) @ k.swapaxes(-1, -2)
-    if mask is not None:
-        scores = mx.where(mask, scores, -mx.inf)
-    return (softmax(scores) @ v).reshape(B, H, L, D).astype(q.dtype)
+    module = native()
+    if isinstance(mask, Causal) and module is not None and scores.dtype == mx.float32:
+        weights = module.softmax(scores, mask.length, mask.offset)
+    else:
+        if isinstance(mask, Causal):
+            mask = grouped_mask(create_causal_mask(mask.length, mask.offset), group)
+        weights = softmax(scores if mask is None else mx.where(mask, scores, -mx.inf))
+    return (weights @ v).reshape(B, H, L, D).astype(q.dtype)

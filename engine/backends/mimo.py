@@ -22,11 +22,11 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import mimo
-from mlx_lm.models.base import create_attention_mask, create_causal_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY, DraftVocabulary
-from engine.backends.decode_ops import RopeTable, apply_rope, cpu_attention, grouped_mask, swiglu
+from engine.backends.decode_ops import Causal, RopeTable, apply_rope, cpu_attention, swiglu
 from engine.distributed import ShardingError, shard_attention, shard_mlp
 
 HEAD_PREFIX = "model.mtp_layers."
@@ -77,7 +77,7 @@ class StepInputs:
     cos: mx.array
     sin: mx.array
     on_cpu: bool  # on the CPU: cpu_attention
-    mask: Any  # cpu_attention's grouped boolean mask, or what mlx-lm's attention takes
+    mask: Any  # cpu_attention's `Causal` or grouped boolean mask, or what mlx-lm's attention takes
 
 
 def attention_inputs(block: nn.Module, x: mx.array, cos: mx.array, sin: mx.array):
@@ -169,8 +169,7 @@ class MiMoBackend(Backend):
         cos, sin = rope.slices(cache.offset, length)
         if not on_cpu:
             return StepInputs(cos, sin, False, create_attention_mask(x, cache))
-        causal = create_causal_mask(length, cache.offset) if length > 1 else None
-        return StepInputs(cos, sin, True, grouped_mask(causal, self.group))
+        return StepInputs(cos, sin, True, Causal(cache.offset, length) if length > 1 else None)
 
     def _block(self, block: nn.Module, rows: mx.array, step: StepInputs, cache) -> mx.array:
         n = rows.shape[0]
