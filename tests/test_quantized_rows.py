@@ -261,3 +261,28 @@ def test_unpacking_equals_mlx_on_every_path(kernel, bits, group):
     assert_close(np.array(kernel.dequantize(*every_other, group, bits)), want[::2], FEW_OPS_ULPS, "strided weights")
     off = mx.array(np.where(np.arange(scales.size).reshape(scales.shape) == 5, 1.01, 1.0).astype(np.float32)) * scales
     assert excess(np.array(kernel.dequantize(w, off, biases, group, bits)), want, FEW_OPS_ULPS, "one scale off") > 10
+
+
+def test_swiglu_equals_float64_on_every_path(kernel):
+    """silu(gate) * x, the MLP activation, against float64 on every path, with gates far
+    out on both sides (e^-gate overflows float32 below -88: the result must be ~0, not
+    NaN); the engine's swiglu takes it; gates 1% off are the negative control."""
+    from engine.backends.decode_ops import swiglu
+
+    rng = np.random.default_rng(2)
+    gate = rng.normal(0, 6, (7, 133)).astype(np.float32)
+    gate[0, :6] = [-1000.0, -100.0, -88.5, 88.5, 100.0, 1000.0]
+    x = rng.normal(0, 1, gate.shape).astype(np.float32)
+    g64 = gate.astype(np.float64)
+    with np.errstate(over="ignore"):
+        want = g64 / (1 + np.exp(-g64)) * x
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        got = np.array(kernel.swiglu(mx.array(gate), mx.array(x)))
+        assert np.isfinite(got).all()
+        assert_close(got, want, FEW_OPS_ULPS, what=f"swiglu {name}")
+    assert_close(np.array(swiglu(mx.array(gate), mx.array(x))), want, FEW_OPS_ULPS, "engine swiglu")
+    off = np.array(kernel.swiglu(mx.array(gate * 1.01), mx.array(x)))
+    assert excess(off, want, FEW_OPS_ULPS, "swiglu, gates 1% off") > 10
+    with pytest.raises(ValueError, match="one shape"):
+        kernel.swiglu(mx.array(gate), mx.array(x[:, :5]))

@@ -82,9 +82,12 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """silu(gate) * x, the SwiGLU of MLP blocks, with power(e, -gate) for the exp:
-    inside a compiled CPU kernel `exp` costs ~33 ns an element and `power` ~13, so
-    a 4-token window's activation of a 480-wide MLP takes ~40 us instead of ~80."""
+    """silu(gate) * x, the SwiGLU of MLP blocks. MLX's CPU `exp` costs ~33 ns an element
+    inside a compiled kernel: on the CPU the native module's (a vectorized exp), else
+    power(e, -gate) (~13 ns; a 4-token window of a 480-wide MLP: ~40 us against ~80)."""
+    module = native()
+    if module is not None and gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
+        return module.swiglu(gate, x)
     return gate / (1 + mx.power(math.e, -gate)) * x
 
 

@@ -539,6 +539,48 @@ void softmax_row256(const float* x, float* out, int n) {
 }
 #endif
 
+// silu(gate) * x = gate / (1 + e^-gate) * x, the MLP activation of SwiGLU blocks: every
+// decode step's MLPs and, over a prompt's chunk, millions of elements a layer.
+constexpr float EXP_MAX = 88.0f; // e^88 is still finite: gate / (1 + e^88) is ~0, as it should be
+
+void swiglu_portable(const float* gate, const float* x, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(std::min(-gate[i], EXP_MAX))) * x[i];
+}
+
+#ifdef MTPLXD_X86
+__attribute__((target("avx512f")))
+void swiglu512(const float* gate, const float* x, float* out, size_t n) {
+  size_t i = 0;
+  const __m512 one = _mm512_set1_ps(1.0f), top = _mm512_set1_ps(EXP_MAX);
+  for (; i + 16 <= n; i += 16) {
+    __m512 g = _mm512_loadu_ps(gate + i);
+    __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), top));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(x + i)));
+  }
+  swiglu_portable(gate + i, x + i, out + i, n - i);
+}
+
+__attribute__((target("avx2,fma")))
+void swiglu256(const float* gate, const float* x, float* out, size_t n) {
+  size_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f), top = _mm256_set1_ps(EXP_MAX);
+  for (; i + 8 <= n; i += 8) {
+    __m256 g = _mm256_loadu_ps(gate + i);
+    __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), top));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(x + i)));
+  }
+  swiglu_portable(gate + i, x + i, out + i, n - i);
+}
+#endif
+
+void swiglu(const float* gate, const float* x, float* out, size_t n) {
+#ifdef MTPLXD_X86
+  if (level == AVX512) return swiglu512(gate, x, out, n);
+  if (level == AVX2) return swiglu256(gate, x, out, n);
+#endif
+  swiglu_portable(gate, x, out, n);
+}
+
 void softmax_row_portable(const float* x, float* out, int n) {
   float m = -INFINITY;
   double sum = 0.0;  // a long row's sum, one term at a time, would drift in float32
@@ -674,6 +716,40 @@ class Dequantize : public mx::Primitive {
   int group_, bits_;
 };
 
+class SwiGLU : public mx::Primitive {
+ public:
+  explicit SwiGLU(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([inputs, out = mx::array::unsafe_weak_copy(out)]() mutable {
+      std::vector<uint32_t> copies[2];
+      const float* gate = static_cast<const float*>(row_major(inputs[0], copies[0]));
+      const float* x = static_cast<const float*>(row_major(inputs[1], copies[1]));
+      swiglu(gate, x, out.data<float>(), out.size());
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("swiglu runs on the CPU only");
+  }
+
+  const char* name() const override { return "SwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+mx::array swiglu_op(const mx::array& gate, const mx::array& x) {
+  if (gate.dtype() != mx::float32 || x.dtype() != mx::float32 || gate.shape() != x.shape())
+    throw std::invalid_argument("swiglu: gate and x must be float32 arrays of one shape");
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(mx::default_stream(mx::Device::cpu)),
+                   std::vector<mx::array>{gate, x});
+}
+
 class Softmax : public mx::Primitive {
  public:
   Softmax(mx::Stream stream, int causal, int offset) : mx::Primitive(stream), causal_(causal), offset_(offset) {}
@@ -766,6 +842,8 @@ NB_MODULE(_mtplxd_quantized_rows, m) {
         "x [..., K] @ dequantize(w, scales, biases)^T on the CPU, for MLX's affine 4- and 8-bit weights.");
   m.def("dequantize", &dequantize_rows, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"), "MLX's affine 4- and 8-bit weights unpacked to float32 [N, K], on the CPU.");
+  m.def("swiglu", &swiglu_op, nb::arg("gate"), nb::arg("x"),
+        "silu(gate) * x for float32 arrays of one shape, on the CPU, with a vectorized exp.");
   m.def("softmax", &softmax, nb::arg("x"), nb::arg("causal") = 0, nb::arg("offset") = 0,
         "Softmax over the last axis of a float32 array on the CPU, with a vectorized exp. With causal = L:\n"
         "attention scores of L new positions after `offset` cached ones, rows (heads, L): row r reads\n"
