@@ -631,34 +631,52 @@ const void* row_major(const mx::array& a, std::vector<uint32_t>& copy) {
   return copy.data();
 }
 
-class QuantizedRows : public mx::Primitive {
+// What the module's primitives share: they run on the CPU only, each as one task on
+// MLX's CPU thread. Their inputs are computed by earlier tasks, so the task reads them
+// (copied to row-major order where strided), and its copies of the arrays keep their
+// buffers alive until it has run.
+class CpuPrimitive : public mx::Primitive {
  public:
-  QuantizedRows(mx::Stream stream, int group, int bits) : mx::Primitive(stream), group_(group), bits_(bits) {}
+  using mx::Primitive::Primitive;
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+
+ protected:
+  // Allocates `out` and queues task(the inputs' row-major data, out).
+  template <class Task>
+  void dispatch(const std::vector<mx::array>& inputs, mx::array& out, Task task) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
+    encoder.dispatch([inputs, task = std::move(task), out = mx::array::unsafe_weak_copy(out)]() mutable {
+      std::vector<std::vector<uint32_t>> copies(inputs.size());
+      std::vector<const void*> data(inputs.size());
+      for (size_t i = 0; i < inputs.size(); ++i) data[i] = row_major(inputs[i], copies[i]);
+      task(data, out);
+    });
+  }
+};
+
+using Data = std::vector<const void*>;
+
+class QuantizedRows : public CpuPrimitive {
+ public:
+  QuantizedRows(mx::Stream stream, int group, int bits) : CpuPrimitive(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     int k = inputs[0].shape(-1), n = inputs[1].shape(0);
-    Problem p{nullptr, nullptr, nullptr, nullptr, out.data<float>(), int(inputs[0].size() / k), n, k, group_, bits_, n};
-    // The inputs are computed by earlier tasks: read (and, if strided, copied) in this one,
-    // whose copies of them keep their buffers alive until it has run.
-    encoder.dispatch([p, inputs, out = mx::array::unsafe_weak_copy(out)]() mutable {
-      std::vector<uint32_t> copies[4];
-      const void* data[4];
-      for (int i = 0; i < 4; ++i) data[i] = row_major(inputs[i], copies[i]);
+    Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, int(inputs[0].size() / k), n, k, group_, bits_, n};
+    dispatch(inputs, outputs[0], [p](const Data& data, mx::array& out) mutable {
       p.x = static_cast<const float*>(data[0]);
       p.w = static_cast<const uint8_t*>(data[1]);
       p.scales = static_cast<const float*>(data[2]);
       p.biases = static_cast<const float*>(data[3]);
+      p.out = out.data<float>();
       compute(p);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("quantized_rows runs on the CPU only");
   }
 
   const char* name() const override { return "QuantizedRows"; }
@@ -678,29 +696,18 @@ class QuantizedRows : public mx::Primitive {
   int group_, bits_;
 };
 
-class Dequantize : public mx::Primitive {
+class Dequantize : public CpuPrimitive {
  public:
-  Dequantize(mx::Stream stream, int group, int bits) : mx::Primitive(stream), group_(group), bits_(bits) {}
+  Dequantize(mx::Stream stream, int group, int bits) : CpuPrimitive(stream), group_(group), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    int n = out.shape(0), k = out.shape(1);
-    Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, 0, n, k, group_, bits_, 0};
-    encoder.dispatch([p, inputs, out = mx::array::unsafe_weak_copy(out)]() mutable {
-      std::vector<uint32_t> copies[3];
-      p.w = static_cast<const uint8_t*>(row_major(inputs[0], copies[0]));
-      p.scales = static_cast<const float*>(row_major(inputs[1], copies[1]));
-      p.biases = static_cast<const float*>(row_major(inputs[2], copies[2]));
+    Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, 0, outputs[0].shape(0), outputs[0].shape(1), group_, bits_, 0};
+    dispatch(inputs, outputs[0], [p](const Data& data, mx::array& out) mutable {
+      p.w = static_cast<const uint8_t*>(data[0]);
+      p.scales = static_cast<const float*>(data[1]);
+      p.biases = static_cast<const float*>(data[2]);
       dequantize(p, out.data<float>());
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("dequantize runs on the CPU only");
   }
 
   const char* name() const override { return "DequantizeRows"; }
@@ -716,26 +723,14 @@ class Dequantize : public mx::Primitive {
   int group_, bits_;
 };
 
-class SwiGLU : public mx::Primitive {
+class SwiGLU : public CpuPrimitive {
  public:
-  explicit SwiGLU(mx::Stream stream) : mx::Primitive(stream) {}
+  explicit SwiGLU(mx::Stream stream) : CpuPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([inputs, out = mx::array::unsafe_weak_copy(out)]() mutable {
-      std::vector<uint32_t> copies[2];
-      const float* gate = static_cast<const float*>(row_major(inputs[0], copies[0]));
-      const float* x = static_cast<const float*>(row_major(inputs[1], copies[1]));
-      swiglu(gate, x, out.data<float>(), out.size());
+    dispatch(inputs, outputs[0], [](const Data& data, mx::array& out) {
+      swiglu(static_cast<const float*>(data[0]), static_cast<const float*>(data[1]), out.data<float>(), out.size());
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("swiglu runs on the CPU only");
   }
 
   const char* name() const override { return "SwiGLU"; }
@@ -750,27 +745,16 @@ mx::array swiglu_op(const mx::array& gate, const mx::array& x) {
                    std::vector<mx::array>{gate, x});
 }
 
-class Softmax : public mx::Primitive {
+class Softmax : public CpuPrimitive {
  public:
-  Softmax(mx::Stream stream, int causal, int offset) : mx::Primitive(stream), causal_(causal), offset_(offset) {}
+  Softmax(mx::Stream stream, int causal, int offset) : CpuPrimitive(stream), causal_(causal), offset_(offset) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = inputs[0], out = mx::array::unsafe_weak_copy(out), causal = causal_,
-                      offset = offset_]() mutable {
-      std::vector<uint32_t> copy;
-      const float* data = static_cast<const float*>(row_major(x, copy));
-      int n = x.shape(-1);
-      softmax_rows(data, out.data<float>(), n ? x.size() / n : 0, n, causal, offset);
+    int n = inputs[0].shape(-1);
+    size_t rows = n ? inputs[0].size() / n : 0;
+    dispatch(inputs, outputs[0], [n, rows, causal = causal_, offset = offset_](const Data& data, mx::array& out) {
+      softmax_rows(static_cast<const float*>(data[0]), out.data<float>(), rows, n, causal, offset);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("softmax runs on the CPU only");
   }
 
   const char* name() const override { return "Softmax"; }
@@ -785,7 +769,7 @@ class Softmax : public mx::Primitive {
 };
 
 mx::array softmax(const mx::array& x, int causal, int offset) {
-  if (x.dtype() != mx::float32 || x.ndim() < 2 && causal > 0 || x.ndim() < 1)
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || (causal > 0 && x.ndim() < 2))
     throw std::invalid_argument("softmax: x must be float32 [..., N]");
   if (causal < 0 || offset < 0 || (causal > 0 && x.shape(-2) % causal != 0))
     throw std::invalid_argument("softmax: causal rows must divide the rows, offset must be >= 0");
