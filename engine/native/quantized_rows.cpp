@@ -62,7 +62,7 @@ constexpr int CHUNK = 32;    // values unpacked at once: one group-32 scale
 constexpr int ROW_BLOCK = 8; // rows of x multiplied per pass over the weights
 
 struct Problem {
-  const float* x; // [m, k]; for 4 bits each chunk reordered: even values, then odd
+  const float* x; // [m, k]; for the vector paths see vector_x
   const uint8_t* w; // [n, k * bits / 8]
   const float* scales; // [n, k / group]
   const float* biases;
@@ -99,6 +99,13 @@ void rows_portable(const Problem& p, int r0, int rows) {
 
 #ifdef MTPLXD_X86
 
+// Ask for the cache lines of [from, from + bytes): a hint, which never faults, so the
+// rows past a matrix's end are asked for harmlessly.
+inline void prefetch(const void* from, size_t bytes) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(from) & ~uintptr_t(63), end = reinterpret_cast<uintptr_t>(from) + bytes;
+  for (uintptr_t line = start; line < end; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+
 // ---- AVX-512 --------------------------------------------------------------
 
 // One chunk of 32 weights of one row, as two vectors in x's order.
@@ -123,13 +130,23 @@ inline void chunk512(const uint8_t* bytes, int bits, __m512 table, __m512 s, __m
 
 // R rows of W at a time, each multiplied into M rows of x: R * M independent
 // accumulators keep the multiply-adds from waiting on each other's latency when
-// x has a single row, and the weights of a chunk are unpacked once for all M.
+// x has a single row, and the weights of a chunk are unpacked once for all M (and
+// each chunk of x loaded once for R rows of W, when there are several).
+//
+// The hardware prefetcher does not keep up with these reads: the 8-bit LM head
+// (49,152 x 576, 28 MB) streamed at ~4.5 GB/s against ~15 from memory. So each
+// chunk also asks for the same share of the next R rows (they follow these in
+// memory): 2.4x faster for that matrix, the 4-bit blocks unchanged (harness
+// figures in docs/performance.md).
 template <int M, int R>
 __attribute__((target("avx512f")))
 void rows512(const Problem& p, const float* x, int j0, int r0) {
   const size_t chunk_bytes = CHUNK * p.bits / 8, row_bytes = p.row_bytes();
   const int per_group = p.group / CHUNK, groups = p.groups();
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const char* next = reinterpret_cast<const char*>(p.w + size_t(j0 + R) * row_bytes);
+  prefetch(p.scales + size_t(j0 + R) * groups, R * groups * sizeof(float));
+  prefetch(p.biases + size_t(j0 + R) * groups, R * groups * sizeof(float));
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
@@ -141,13 +158,16 @@ void rows512(const Problem& p, const float* x, int j0, int r0) {
       table[r] = _mm512_fmadd_ps(iota, s[r], b[r]);
     }
     for (int end = c + per_group; c < end; ++c) {
-      for (int r = 0; r < R; ++r) {
-        __m512 w0, w1;
-        chunk512(p.w + (j0 + r) * row_bytes + c * chunk_bytes, p.bits, table[r], s[r], b[r], w0, w1);
-        for (int i = 0; i < M; ++i) {
-          const float* xi = x + size_t(i) * p.k + c * CHUNK;
-          acc[r][i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[r][i]);
-          acc[r][i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), acc[r][i]);
+      prefetch(next + c * R * chunk_bytes, R * chunk_bytes);
+      __m512 w0[R], w1[R];
+      for (int r = 0; r < R; ++r)
+        chunk512(p.w + (j0 + r) * row_bytes + c * chunk_bytes, p.bits, table[r], s[r], b[r], w0[r], w1[r]);
+      for (int i = 0; i < M; ++i) {
+        const float* xi = x + size_t(i) * p.k + c * CHUNK;
+        const __m512 x0 = _mm512_load_ps(xi), x1 = _mm512_load_ps(xi + 16);
+        for (int r = 0; r < R; ++r) {
+          acc[r][i] = _mm512_fmadd_ps(w0[r], x0, acc[r][i]);
+          acc[r][i] = _mm512_fmadd_ps(w1[r], x1, acc[r][i]);
         }
       }
     }
@@ -159,7 +179,8 @@ void rows512(const Problem& p, const float* x, int j0, int r0) {
 template <int M>
 __attribute__((target("avx512f")))
 void block512(const Problem& p, int r0) {
-  constexpr int R = M == 1 ? 4 : M <= 3 ? 2 : 1;
+  // Two weight rows share each load of x from two rows of x up (+10-20% at 4-8 rows).
+  constexpr int R = M == 1 ? 4 : 2;
   const float* x = p.x + size_t(r0) * p.k;
   int j = 0;
   for (; j + R <= p.n; j += R) rows512<M, R>(p, x, j, r0);
@@ -343,9 +364,16 @@ void rows_vector(const Problem& p, int r0, int rows) {
 }
 #endif
 
-// The vector paths read a chunk's 4-bit values as [even..., odd...]: put x in that order.
-std::vector<float> interleaved_like_nibbles(const float* x, int m, int k) {
-  std::vector<float> out(size_t(m) * k);
+// x as the vector paths read it: 64-byte aligned (they load it aligned; misaligned
+// loads cost 15% at 4-8 rows) and, for 4 bits, each chunk in the order of its
+// nibbles [even values..., odd values...].
+const float* vector_x(const float* x, int m, int k, int bits, std::vector<float>& storage) {
+  storage.resize(size_t(m) * k + 16);
+  float* out = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+  if (bits != 4) {
+    std::memcpy(out, x, size_t(m) * k * sizeof(float));
+    return out;
+  }
   for (size_t c = 0; c < size_t(m) * k; c += CHUNK)
     for (int i = 0; i < CHUNK / 2; ++i) {
       out[c + i] = x[c + 2 * i];
@@ -378,11 +406,8 @@ void compute_columns(const Problem& p) {
 }
 
 void compute(Problem p) {
-  std::vector<float> reordered;
-  if (level != PORTABLE && p.bits == 4) {
-    reordered = interleaved_like_nibbles(p.x, p.m, p.k);
-    p.x = reordered.data();
-  }
+  std::vector<float> storage;
+  if (level != PORTABLE) p.x = vector_x(p.x, p.m, p.k, p.bits, storage);
   int slices = size_t(p.m) * p.n * p.k >= PARALLEL_MIN_MACS ? helpers.size() + 1 : 1;
   if (slices == 1) return compute_columns(p);
   // Whole groups of 4 weight rows a slice, as the vector paths take them.
