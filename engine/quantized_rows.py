@@ -39,6 +39,8 @@ MODULE_NAME = "_mtplxd_quantized_rows"
 ROWS_MAX = 64
 BITS = (4, 8)
 CHUNK = 32  # the kernel reads groups in chunks of 32 values
+# What the engine calls in the module (a build from an older source lacks some).
+OPERATIONS = ("quantized_rows", "dequantize", "softmax", "swiglu", "attention")
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +59,14 @@ def native() -> ModuleType | None:
         assert spec is not None
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
-        return module
     except ImportError as error:  # e.g. MLX was upgraded after the build
         log.warning("the quantized decode kernel %s does not load (%s): run `make install`", built[0], error)
         return None
+    missing = [name for name in OPERATIONS if not hasattr(module, name)]
+    if missing:  # built from an older source: the engine would call what is not there
+        log.warning("the native module %s lacks %s: run `make install`", built[0], ", ".join(missing))
+        return None
+    return module
 
 
 def describe() -> str:

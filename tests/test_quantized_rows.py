@@ -4,7 +4,9 @@ a float64 product of the dequantized weights, at 4 and 8 bits and groups of 32 t
 for 1 to ROWS_MAX rows, in batches, on strided inputs and inside mx.compile; longer
 inputs through the unpacking path; its refusals; and negative controls: kernels with a
 plausible bug (the nibbles of a byte read in the other order, one group's scale
-applied to the next) fall far outside the bound that the real one holds.
+applied to the next) fall far outside the bound that the real one holds. The module's
+other operations (softmax, SwiGLU, unpacking, the decode attention) likewise, each
+against float64 on every path with its negative control.
 
 Models through the kernel are compared with unpacked weights in test_models.py."""
 
@@ -286,3 +288,102 @@ def test_swiglu_equals_float64_on_every_path(kernel):
     assert excess(off, want, FEW_OPS_ULPS, "swiglu, gates 1% off") > 10
     with pytest.raises(ValueError, match="one shape"):
         kernel.swiglu(mx.array(gate), mx.array(x[:, :5]))
+
+
+def attention64(q, k, v, allowed) -> np.ndarray:
+    """float64 attention: q [B, H, L, D], k and v [B, H_kv, T, D], allowed [B, H, L, T]."""
+    q, k, v = (np.array(a, dtype=np.float64) for a in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    scores = q @ np.repeat(k, group, axis=1).swapaxes(-1, -2)
+    return softmax64(np.where(allowed, scores, -np.inf)) @ np.repeat(v, group, axis=1)
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,length,keys", [(1, 9, 3, 1, 300), (1, 9, 3, 4, 37), (3, 4, 2, 2, 17),
+                                                               (2, 4, 4, 1, 5)])
+def test_attention_equals_float64_on_every_path(kernel, batch, heads, kv_heads, length, keys):
+    """The native attention of a decode step, a verify window and a batch of rows, over keys
+    and values read in place from a longer cache buffer (a strided view), causal or
+    with a batch's mask ([B, 1, G * L, T], or one [G * L, T] for every row). Negative
+    controls: the window read as if unmasked, and half of a row's mask flipped."""
+    rng = np.random.default_rng(batch * 100 + keys)
+    q = mx.array(rng.normal(0, 0.3, (batch, heads, length, 64)).astype(np.float32))
+    k_buffer, v_buffer = (mx.array(rng.normal(0, 1, (batch, kv_heads, keys + 40, 64)).astype(np.float32))
+                          for _ in range(2))
+    k, v = k_buffer[:, :, :keys], v_buffer[:, :, :keys]
+    causal = np.tril(np.ones((length, keys), bool), keys - length)
+    group = heads // kv_heads
+    allowed = rng.random((batch, 1, length, keys)) > 0.3
+    allowed[..., 0] = True
+    batch_mask = mx.array(np.tile(allowed, (1, 1, group, 1)))  # rows: head of the group, then position
+    shared_mask = mx.array(np.tile(allowed[0, 0], (group, 1)))
+    want_causal = attention64(q, k, v, np.broadcast_to(causal, (batch, heads, length, keys)))
+    want_masked = attention64(q, k, v, np.broadcast_to(allowed, (batch, heads, length, keys)))
+    want_shared = attention64(q, k, v, np.broadcast_to(allowed[0, 0], (batch, heads, length, keys)))
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        where = f"B {batch}, H {heads}/{kv_heads}, L {length}, T {keys}"
+        assert_close(np.array(kernel.attention(q, k, v, causal=True)), want_causal, DOT_ULPS,
+                     f"attention {name}, causal", where)
+        assert_close(np.array(kernel.attention(q, k, v, batch_mask)), want_masked, DOT_ULPS,
+                     f"attention {name}, batch mask", where)
+        assert_close(np.array(kernel.attention(q, k, v, shared_mask)), want_shared, DOT_ULPS,
+                     f"attention {name}, shared mask", where)
+    if length > 1:
+        assert excess(np.array(kernel.attention(q, k, v)), want_causal, DOT_ULPS, "attention, window unmasked") > 10
+    flipped = np.array(batch_mask)
+    flipped[..., 0, 1: keys // 2 + 1] = ~flipped[..., 0, 1: keys // 2 + 1]
+    assert excess(np.array(kernel.attention(q, k, v, mx.array(flipped))), want_masked, DOT_ULPS,
+                  "attention, half the mask of a row flipped") > 10
+
+
+def test_the_engine_attention_takes_the_native_one(kernel, monkeypatch):
+    """cpu_attention runs a step of up to NATIVE_MAX_POSITIONS positions in the native
+    operation (one node in the graph) and gives what MLX's operations give; a prompt's
+    chunk stays with them."""
+    from engine.backends import decode_ops
+    from engine.backends.decode_ops import Causal, cpu_attention
+
+    q = mx.random.normal((1, 6, 3, 32), key=mx.random.key(7))
+    k, v = (mx.random.normal((1, 2, 20, 32), key=mx.random.key(s)) for s in (8, 9))
+    mx.eval(q, k, v)
+
+    def operations(out: mx.array) -> list[str]:
+        graph = io.StringIO()
+        mx.export_to_dot(graph, out)
+        return [line.split('"')[1] for line in graph.getvalue().splitlines() if "label =" in line]
+
+    native = cpu_attention(q, k, v, Causal(17, 3))
+    assert operations(native) == ["Attention"]
+    monkeypatch.setattr(decode_ops, "NATIVE_MAX_POSITIONS", 2)  # 3 positions: MLX's operations
+    library = cpu_attention(q, k, v, Causal(17, 3))
+    assert "Matmul" in operations(library)
+    assert_close(np.array(native), np.array(library), DOT_ULPS, "native against MLX's operations")
+
+
+def test_attention_refuses_what_it_does_not_take(kernel):
+    q = mx.zeros((1, 4, 2, 8))
+    k = mx.zeros((1, 3, 5, 8))
+    with pytest.raises(ValueError, match="kv_heads dividing"):
+        kernel.attention(q, k, k)
+    k = mx.zeros((1, 2, 5, 8))
+    assert kernel.attention(q, k, k, mx.ones((4, 5), dtype=mx.bool_)).shape == q.shape  # 2 heads a kv head x 2 positions
+    with pytest.raises(ValueError, match="mask must be bool"):
+        kernel.attention(q, k, k, mx.ones((3, 5), dtype=mx.bool_))
+    with pytest.raises(ValueError, match="not both"):
+        kernel.attention(q, k, k, mx.ones((4, 5), dtype=mx.bool_), causal=True)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.attention(q.astype(mx.float16), k, k)
+
+
+def test_a_build_from_an_older_source_is_not_used(kernel, monkeypatch, caplog):
+    """A module without an operation the engine calls (built before it was added, and
+    `make install` not rerun) is refused with the reason, and the engine runs without it."""
+    monkeypatch.setattr(quantized_rows, "OPERATIONS", (*quantized_rows.OPERATIONS, "an_operation_not_built"))
+    quantized_rows.native.cache_clear()
+    try:
+        assert quantized_rows.native() is None
+        assert "lacks an_operation_not_built: run `make install`" in caplog.text
+    finally:
+        monkeypatch.undo()
+        quantized_rows.native.cache_clear()
+    assert quantized_rows.native() is not None

@@ -1,5 +1,6 @@
 """Cheaper forms of three decode-step operations: rotary embedding from a table,
-attention for a few query tokens on the CPU, and SwiGLU without `exp`.
+attention on the CPU (a few new positions in one native operation), and SwiGLU
+without `exp`.
 
 Rotary. On the CPU, `mx.fast.rope` is not a kernel but a dozen ops that recompute
 the angles, cosines and sines on every call: ~190 us per tensor for one
@@ -32,6 +33,9 @@ from engine.quantized_rows import native
 from engine.sampling import softmax
 
 FIRST_SIZE = 4096  # positions tabulated before the first doubling
+# Steps of up to this many new positions attend in the native module's one operation;
+# a prompt's chunk multiplies its scores with BLAS, which is faster for hundreds of rows.
+NATIVE_MAX_POSITIONS = 16
 
 
 class RopeTable:
@@ -112,23 +116,29 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | Causal
     """Attention as mx.fast.scaled_dot_product_attention computes it, for decode steps
     and prompt chunks on the CPU; q comes already scaled.
 
-    There the softmax dominates: MLX's CPU `exp` costs ~19 ns an element (a verify
-    window of 4 tokens, 3 heads and 450 cached positions: 5,400 of them a layer; a
-    512-token chunk after 1,500 tokens: 9 million), while engine.sampling.softmax
-    takes ~3 (the native softmax) or ~10 (`power(e, x)`): this form took 174 us where
-    the library's took 330 on a verify window, and a 2,000-token prompt's prefill half
-    the time. Not compiled:
-    the key length grows every step and each new shape would be traced again. Metal
-    keeps the fused kernel. Shapes: q [B, H, L, D]; k, v [B, H_kv, T, D]; mask
-    [H / H_kv * L, T] or [B, 1, H / H_kv * L, T] bool (True = may attend;
-    `grouped_mask`), `Causal`, or None; query head
-    h reads kv head h // (H / H_kv), as the library's grouped-query attention does.
+    A step of up to NATIVE_MAX_POSITIONS new positions (a token, a verify window, a
+    batch of rows) runs in the native module's one operation, which reads the keys and
+    values in place in the cache's buffer: built from MLX's operations it took seven a
+    layer, each with its dispatch cost (a SmolLM2 layer's decode attention: ~120 us
+    evaluated alone against ~330). A prompt's chunk multiplies its scores with BLAS and
+    takes the native softmax: MLX's CPU `exp` costs ~19 ns an element (a 512-token
+    chunk after 1,500 tokens: 9 million a layer), the native one ~3, and the causal form
+    never builds the mask. Not compiled: the key length grows every step and each new
+    shape would be traced again. Metal keeps the fused kernel. Shapes: q [B, H, L, D];
+    k, v [B, H_kv, T, D]; mask [H / H_kv * L, T] or [B, 1, H / H_kv * L, T] bool
+    (True = may attend; `grouped_mask`), `Causal`, or None; query head h reads kv head
+    h // (H / H_kv), as the library's grouped-query attention does.
     """
     B, H, L, D = q.shape
+    module = native()
+    if module is not None and L <= NATIVE_MAX_POSITIONS and q.dtype == k.dtype == v.dtype == mx.float32:
+        if mask is None or isinstance(mask, Causal):
+            return module.attention(q, k, v, causal=mask is not None and mask.length > 1)
+        if mask.dtype == mx.bool_:
+            return module.attention(q, k, v, mask)
     kv_heads = k.shape[1]
     group = H // kv_heads
     scores = q.reshape(B, kv_heads, group * L, D) @ k.swapaxes(-1, -2)
-    module = native()
     if isinstance(mask, Causal) and module is not None and scores.dtype == mx.float32:
         weights = module.softmax(scores, mask.length, mask.offset)
     else:
