@@ -387,3 +387,21 @@ def test_a_build_from_an_older_source_is_not_used(kernel, monkeypatch, caplog):
         monkeypatch.undo()
         quantized_rows.native.cache_clear()
     assert quantized_rows.native() is not None
+
+
+def test_the_harness_builds_and_measures(tmp_path):
+    """scripts/quantized_rows_harness.cpp (the kernel alone, for docs/performance.md) still
+    compiles against the kernel's source and runs every row count."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    compiler = shutil.which("c++")
+    assert compiler is not None, "no C++ compiler: `make install` needs one for the native module"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "quantized_rows_harness.cpp"
+    binary = tmp_path / "harness"
+    subprocess.run([compiler, "-O1", "-std=c++17", "-o", str(binary), str(script), "-lpthread"], check=True)
+    lines = subprocess.run([str(binary), "4", "64", "256"], check=True, capture_output=True, text=True).stdout.splitlines()
+    assert len(lines) == 4
+    for rows, line in zip((1, 2, 4, 8), lines):
+        assert line.startswith(f"4-bit 64 x 256, {rows} rows: ") and "GMAC/s" in line, line
