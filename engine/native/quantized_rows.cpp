@@ -118,9 +118,10 @@ inline void prefetch(const void* from, size_t bytes) {
 __attribute__((target("avx512f")))
 inline void chunk512(const uint8_t* bytes, int bits, __m512 table, __m512 s, __m512 b, __m512& w0, __m512& w1) {
   if (bits == 4) {
-    // One byte a lane, then its two nibbles: values 0, 2, ..., 30 and 1, 3, ..., 31.
+    // One byte a lane, then its two nibbles: values 0, 2, ..., 30 and 1, 3, ..., 31. The
+    // lookup reads only an index's low 4 bits, so the low nibble needs no mask.
     __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-    w0 = _mm512_permutexvar_ps(_mm512_and_si512(packed, _mm512_set1_epi32(0x0F)), table);
+    w0 = _mm512_permutexvar_ps(packed, table);
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 4), table);
     return;
   }
