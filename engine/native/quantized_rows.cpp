@@ -139,8 +139,8 @@ inline void chunk512(const uint8_t* bytes, int bits, __m512 table, __m512 s, __m
 // The hardware prefetcher does not keep up with these reads: the 8-bit LM head
 // (49,152 x 576, 28 MB) streamed at ~4.5 GB/s against ~15 from memory. So each
 // chunk also asks for the same share of the next R rows (they follow these in
-// memory): 2.4x faster for that matrix, the 4-bit blocks unchanged (harness
-// figures in docs/performance.md).
+// memory): ~3x faster for that matrix, ~2x for a 4-bit one of one row from memory
+// (harness figures in docs/performance.md).
 template <int M, int R>
 __attribute__((target("avx512f")))
 void rows512(const Problem& p, const float* x, int j0, int r0) {
@@ -371,6 +371,7 @@ void rows_vector(const Problem& p, int r0, int rows) {
 // loads cost 15% at 4-8 rows) and, for 4 bits, each chunk in the order of its
 // nibbles [even values..., odd values...].
 const float* vector_x(const float* x, int m, int k, int bits, std::vector<float>& storage) {
+  if (bits != 4 && reinterpret_cast<uintptr_t>(x) % 64 == 0) return x; // rows of k % 32 == 0 stay aligned
   storage.resize(size_t(m) * k + 16);
   float* out = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
   if (bits != 4) {
