@@ -125,7 +125,10 @@ def endpoint_label(path: str) -> str:
 
 class RequestCounter:
     """ASGI middleware: counts every HTTP response by endpoint and status,
-    errors raised past the app's handlers included (as 500)."""
+    errors raised past the app's handlers included (as 500). The status counted is the
+    one the client got: the first response start the server sent. (The MCP SDK, when a
+    session closes under a notification it has already answered 202, tries to send a
+    500 too; the server refuses it, and the client saw a 202.)"""
 
     def __init__(self, app: Any, metrics: Metrics) -> None:
         self.app = app
@@ -135,14 +138,14 @@ class RequestCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = [500]
+        status: list[int] = []
 
         async def counting_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
             await send(message)
+            if message["type"] == "http.response.start" and not status:
+                status.append(message["status"])
 
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            self.metrics.requests.labels(endpoint_label(scope["path"]), str(status[0])).inc()
+            self.metrics.requests.labels(endpoint_label(scope["path"]), str(status[0] if status else 500)).inc()
