@@ -235,6 +235,13 @@ def test_pull_attaches_shipped_heads_and_reimports_when_they_change(files, trunk
     assert [row["name"] for row in models_json(capsys, state)] == ["tiny"]
     assert inspect_checkpoint(model).status == "supported"
 
+    # convert --no-heads: the trunk alone, to train heads for (mtplxd train --heads-only)
+    for flag, status in ((), "supported"), (("--no-heads",), "ar-only"):
+        out = tmp_path / f"convert{len(flag)}"
+        code, _, err = cli(capsys, ["convert", str(files["tiny"]), "--out", str(out), *flag])
+        assert code == 0, err
+        assert inspect_checkpoint(out).status == status and (out / HEADS_FILE).exists() == (not flag)
+
 
 # -- pull OWNER/REPO --file NAME.gguf -------------------------------------------------------
 

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY
 from engine.backends.descriptors import inspect_checkpoint
-from engine.backends.mimo import MTPLayer
+from engine.backends.mimo import MiMoBackend, MTPLayer
 from engine.engine import Engine, load_tokenizer
 from engine.generation import GenerationRequest
 from engine.sampling import SamplerSettings
@@ -28,7 +28,7 @@ from engine.train import (
 )
 from tests.checkpoints import write
 from tests.engine_helpers import assert_greedy_agree
-from tests.floats import DOT_ULPS, FEW_OPS_ULPS, LONG_PATHS_ULPS, assert_close
+from tests.floats import DOT_ULPS, FEW_OPS_ULPS, LONG_PATHS_ULPS, assert_close, excess
 
 TINY = dict(vocab=300, hidden=32, layers=2, heads=2, seq_len=32, batch=4, lr=3e-3, save_every=1000,
             eval_windows=0, compile=False, progress=False)
@@ -379,6 +379,53 @@ def test_replace_heads_distils_a_mimo_checkpoints_own_heads(corpus, tmp_path):
         assert_close(v.astype(np.float32), old_heads[k].astype(np.float32), FEW_OPS_ULPS, "heads", where=k)
     eng = Engine.load(out)
     _assert_mtp_is_ar(eng, PROMPTS[1], 12)
+
+
+def test_continued_windows_are_the_trunks_own_greedy_text(tmp_path):
+    from engine.training.heads import _line_end_ids
+    from engine.training.trunk_cache import continuation_prompts, continued_outputs, trunk_outputs
+
+    eng = Engine.load(write("mimo", tmp_path / "src", mtp_heads=0))
+    stream = np.array(eng.tokenizer.encode(repetitive_source(0)), dtype=np.int32)
+    line_ends = _line_end_ids(eng.tokenizer, stream)
+    assert len(line_ends) and all(eng.tokenizer.decode([int(i)]).endswith("\n") for i in line_ends)
+    prompts = continuation_prompts(stream, line_ends, 12, 3, seed=0)
+    assert prompts.shape == (3, 12) and all(np.isin(prompts[:, -1], line_ends))
+    vocab = eng.backend.trunk.args.vocab_size
+    lm_rows = eng.backend.trunk.model.embed_tokens.weight.astype(mx.float32)  # every row: ids are token ids
+    writer = MiMoBackend(eng.backend.trunk, [])  # as train_heads runs it: the engine's decode path
+    out = continued_outputs(writer, lm_rows, prompts, new_tokens=10, top_k=vocab, batch=2)  # 2 + 1 rows
+    assert out.tokens.shape == (3, 22) and out.hidden.shape[:2] == (3, 21)
+    assert np.array_equal(np.array(out.tokens[:, :12]), prompts)
+    for prompt, window in zip(prompts.tolist(), np.array(out.tokens).tolist()):
+        assert_greedy_agree(eng.backend, prompt, _greedy(eng, tuple(prompt), 10), window[12:])
+    # What generation kept is what one forward over the finished window computes. Both were
+    # stored as float16, which rounds 2^13 float32 epsilons apart at most.
+    again = trunk_outputs(eng.backend.trunk.model, lm_rows, np.array(out.tokens), top_k=vocab)
+    f16 = 2 ** 13 + LONG_PATHS_ULPS
+    got, want = np.array(out.hidden, dtype=np.float32), np.array(again.hidden, dtype=np.float32)
+    assert_close(got, want, f16, "continued hidden")
+    assert excess(got[:, 1:], want[:, :-1], f16, "continued hidden, shifted one position") > 1
+    assert_close(np.array(out.top_logp, dtype=np.float32), np.array(again.top_logp, dtype=np.float32), f16,
+                 "continued log-probabilities")
+
+
+def test_heads_trained_on_continued_windows(corpus, tmp_path):
+    src = write("mimo", tmp_path / "src", mtp_heads=0)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="nothing to train on"):
+        train_heads(HeadsSettings(model=str(src), out=str(tmp_path / "none"), corpus=str(corpus), windows=0,
+                                  steps=1, **HEADS_TINY))
+    result = train_heads(HeadsSettings(model=str(src), out=str(out), corpus=str(corpus), windows=0, continued=24,
+                                       steps=80, **HEADS_TINY))
+    assert result.history[-1]["loss"] < 0.3 * result.history[0]["loss"]
+    eng = Engine.load(out)
+    _assert_mtp_is_ar(eng, PROMPTS[1], 16)
+    trained = measure_acceptance(eng, PROMPTS, depth=2, n_tokens=32)
+    mx.random.seed(1)
+    eng.backend.heads = [MTPLayer(eng.backend.trunk.args) for _ in eng.backend.heads]
+    untrained = measure_acceptance(eng, PROMPTS, depth=2, n_tokens=32)
+    assert trained[0] > untrained[0] + 0.05, (trained, untrained)
 
 
 def test_cli_train_and_resume(corpus, tmp_path, capsys):

@@ -56,7 +56,7 @@ from mlx_lm.models.cache import KVCache
 from engine.backends.base import Backend
 from engine.backends.descriptors import InspectReport, head_key_predicate, inspect_checkpoint, mlx_model_type
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY
-from engine.backends.mimo import HEAD_PREFIX
+from engine.backends.mimo import HEAD_PREFIX, MiMoBackend
 from engine.checkpoint import (
     CheckpointError, read_config, read_header, text_config, weight_keys, write_safetensors_subset,
 )
@@ -70,7 +70,9 @@ from engine.training.model import (
     distill_loss, head_agreement, log_softmax, save_safetensors, write_json,
 )
 from engine.training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
-from engine.training.trunk_cache import CachedHeads, TrunkOutputs, WindowBatches, draft_vocabulary, trunk_outputs
+from engine.training.trunk_cache import (
+    CachedHeads, TrunkOutputs, WindowBatches, continuation_prompts, continued_outputs, draft_vocabulary, trunk_outputs,
+)
 
 SIDECAR = HEADS_FILE  # mtp.safetensors, where the loader and `mtplxd convert` keep heads
 ZERO_BIAS = "model-zero-bias.safetensors"
@@ -109,6 +111,9 @@ class HeadsSettings:
     windows: int | None = None
     top_k: int = 32
     draft_vocab: int = 8192
+    # and `continued` windows of which the trunk writes the second half itself: greedy
+    # continuations of corpus text ending at a line break (trunk_cache.continued_outputs)
+    continued: int = 0
 
 
 def mimo_config(config: dict, keys: set[str], heads: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
@@ -525,17 +530,23 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corp
     embed = _dense(trunk.model.embed_tokens)
     lm_rows = (embed if getattr(trunk.args, "tie_word_embeddings", True) else _dense(trunk.lm_head))[vocab]
     cache_file = state_dir / "trunk_outputs.safetensors"
+    line_ends = _line_end_ids(engine_.tokenizer, stream)
+    # The trunk continues text on the engine's own decode path, which gives the hidden
+    # states; MiMo's trunk is a Qwen2 / Llama-style one, so it runs any trunk heads train on.
+    writer = MiMoBackend(trunk, [])
     if resume and cache_file.is_file():
         outputs = TrunkOutputs.load(cache_file)
     else:
-        windows = corpus_windows(stream, s.seq_len, s.windows, s.seed)
-        say(f"trunk: running once over {len(windows)} windows of {s.seq_len} tokens (top {s.top_k} of "
-            f"a {vocab.shape[0]}-token draft vocabulary kept)")
         started = time.perf_counter()
-        outputs = trunk_outputs(trunk.model, lm_rows, windows, s.top_k, progress=s.progress)
+        outputs = _corpus_outputs(s, writer, lm_rows, stream, line_ends, say)
         say(f"trunk outputs: {time.perf_counter() - started:.0f} s")
         outputs.save(cache_file)
     held_outputs = trunk_outputs(trunk.model, lm_rows, np.array(held), s.top_k) if held is not None else None
+    held_continued = None
+    if held is not None and s.continued:
+        prompt, new_tokens = continuation_shape(s.seq_len)
+        prompts = continuation_prompts(np.array(held).reshape(-1), line_ends, prompt, s.eval_windows, s.seed)
+        held_continued = continued_outputs(writer, lm_rows, prompts, new_tokens, s.top_k)
     model = CachedHeads(mimo.ModelArgs.from_dict(config), s.heads or 2, embed, lm_rows)
     for layer, old in zip(model.mtp_layers, engine_.backend.heads):  # --replace-heads: start from them
         layer.update(old.parameters())
@@ -552,8 +563,7 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corp
 
     evaluate = None
     if held_outputs is not None:
-        every = mx.arange(len(held_outputs))
-        evaluate = lambda: {f"head{k + 1}_agree": a for k, a in enumerate(model.agreement(held_outputs, every))}  # noqa: E731
+        evaluate = lambda: _held_agreement(model, held_outputs, held_continued, s.seq_len)  # noqa: E731
     job = trainer.Job(
         module=model,
         loss=lambda m, batch: m.loss(outputs, batch),
@@ -565,6 +575,50 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corp
         evaluate=evaluate,
     )
     return trainer.run(job, _loop(s), resume=resume, callback=callback)
+
+
+def _corpus_outputs(s: HeadsSettings, backend, lm_rows: mx.array, stream: np.ndarray, line_ends: np.ndarray,
+                    say) -> TrunkOutputs:
+    """The trunk's outputs over `s.windows` corpus windows and `s.continued` windows it
+    half writes itself."""
+    parts = []
+    if s.windows != 0:
+        windows = corpus_windows(stream, s.seq_len, s.windows, s.seed)
+        say(f"trunk: running once over {len(windows)} windows of {s.seq_len} tokens (top {s.top_k} of "
+            f"a {lm_rows.shape[0]}-token draft vocabulary kept)")
+        parts.append(trunk_outputs(backend.trunk.model, lm_rows, windows, s.top_k, progress=s.progress))
+    if s.continued:
+        prompt, new_tokens = continuation_shape(s.seq_len)
+        prompts = continuation_prompts(stream, line_ends, prompt, s.continued, s.seed)
+        say(f"trunk: continuing {len(prompts)} prompts of {prompts.shape[1]} corpus tokens by "
+            f"{new_tokens} tokens of its own (greedy)")
+        parts.append(continued_outputs(backend, lm_rows, prompts, new_tokens, s.top_k, progress=s.progress))
+    if not parts:
+        raise ValueError("--windows 0 and no --continued windows: nothing to train on")
+    return TrunkOutputs.concatenate(parts)
+
+
+def continuation_shape(seq_len: int) -> tuple[int, int]:
+    """(prompt tokens, tokens the trunk adds) of a continued window: the trunk writes
+    half of its seq_len + 1 tokens."""
+    return seq_len + 1 - seq_len // 2, seq_len // 2
+
+
+def _line_end_ids(tokenizer, stream: np.ndarray) -> np.ndarray:
+    """The token ids of the stream whose text ends with a line break."""
+    ids = np.unique(stream.astype(np.int64))
+    return np.array([i for i in ids if tokenizer.decode([int(i)]).endswith("\n")], dtype=np.int64)
+
+
+def _held_agreement(model: CachedHeads, held: TrunkOutputs, continued: TrunkOutputs | None,
+                    seq_len: int) -> dict[str, float]:
+    """Per head: agreement with the trunk on held-out corpus windows, and on the
+    trunk's own continuations of held-out code (what the heads will draft)."""
+    found = {f"head{k + 1}_agree": a for k, a in enumerate(model.agreement(held, mx.arange(len(held))))}
+    if continued is not None:
+        agree = model.agreement(continued, mx.arange(len(continued)), continuation_shape(seq_len)[0])
+        found.update({f"head{k + 1}_agree_continued": a for k, a in enumerate(agree)})
+    return found
 
 
 def corpus_windows(stream: np.ndarray, seq_len: int, limit: int | None, seed: int) -> np.ndarray:

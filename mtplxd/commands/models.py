@@ -53,6 +53,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                                                 "or a .gguf file")
     p.add_argument("--out", metavar="DIR", required=True, help="output folder (must not exist)")
     _quantize_arguments(p)
+    p.add_argument("--no-heads", action="store_true",
+                   help="a .gguf file: the trunk alone, without the MTP heads mtplxd ships for it "
+                        "(a model to train heads for: mtplxd train --heads-only)")
 
 
 def add_models_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,7 +154,8 @@ def _import_gguf(path: Path, dest: Path, args: argparse.Namespace, source: str, 
     fresh = dest.with_name(f".{dest.name}.new") if dest.exists() else dest
     if fresh != dest:
         shutil.rmtree(fresh, ignore_errors=True)
-    result = import_gguf(plan, fresh, spec.bits, spec.group_size, source=source)
+    result = import_gguf(plan, fresh, spec.bits, spec.group_size, source=source,
+                         heads=not getattr(args, "no_heads", False))
     write_record(fresh, {**new_record(dest.name, source, revision, result),
                          "heads_digest": result.heads_digest, "file_sha256": _sha256(path)})
     if fresh != dest:

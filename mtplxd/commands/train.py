@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="do not mx.compile the training step")
     p.add_argument("--windows", metavar="N", type=int,
                    help="heads-only: corpus windows the frozen trunk runs over once (default: all of them)")
+    p.add_argument("--continued", metavar="N", type=int,
+                   help="heads-only: and N windows whose second half the trunk writes itself, greedily continuing "
+                        "corpus text: the heads learn the text they will draft (default 0)")
     p.add_argument("--draft-vocab", metavar="N", type=int,
                    help="heads-only: the head's training softmax covers the corpus's N most frequent tokens "
                         "(default 8192)")
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         "heads": args.heads, "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
         "lr": args.lr, "seed": args.seed, "save_every": args.save_every, "threads": args.threads,
         "max_minutes": args.max_minutes, "fim_order": args.fim_order,
-        "windows": args.windows, "draft_vocab": args.draft_vocab,
+        "windows": args.windows, "draft_vocab": args.draft_vocab, "continued": args.continued,
         "max_corpus_bytes": int(args.max_corpus_mb * 1e6) if args.max_corpus_mb else None,
     }
     given = {k: v for k, v in given.items() if v is not None}
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             result = train.train_heads(train.HeadsSettings(model=args.model, out=args.out,
                                                            replace_heads=args.replace_heads, **given))
         else:
-            heads_only = sorted({"windows", "draft_vocab"} & set(given)) + (["model"] if args.model else [])
+            heads_only = sorted({"windows", "draft_vocab", "continued"} & set(given)) + (["model"] if args.model else [])
             if heads_only:
                 print(f"mtplxd: --{', --'.join(k.replace('_', '-') for k in heads_only)} is for --heads-only",
                       file=sys.stderr)
