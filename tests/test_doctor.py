@@ -43,3 +43,14 @@ def test_doctor_measures_the_bandwidth_and_a_models_decoding():
 
 def test_doctor_without_a_model():
     assert doctor("--no-model")["model"] is None
+
+
+def test_importing_mlx_before_engine_is_said():
+    """On Linux the BLAS can only be bound before MLX loads; too late, the engine says so."""
+    script = "import mlx.core, engine; print(engine.BLAS.library)"
+    late = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    in_order = subprocess.run([sys.executable, "-c", "import engine, mlx.core; print(engine.BLAS.library)"],
+                              capture_output=True, text=True, check=True)
+    if sys.platform.startswith("linux"):
+        assert late.stdout.strip() == "reference" and "import engine first" in late.stderr, late.stderr
+    assert "import engine first" not in in_order.stderr and in_order.stdout.strip() != "reference"
