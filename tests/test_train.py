@@ -382,12 +382,12 @@ def test_replace_heads_distils_a_mimo_checkpoints_own_heads(corpus, tmp_path):
 
 
 def test_continued_windows_are_the_trunks_own_greedy_text(tmp_path):
-    from engine.training.heads import _line_end_ids
+    from engine.training.trunk_cache import line_end_ids
     from engine.training.trunk_cache import continuation_prompts, continued_outputs, trunk_outputs
 
     eng = Engine.load(write("mimo", tmp_path / "src", mtp_heads=0))
     stream = np.array(eng.tokenizer.encode(repetitive_source(0)), dtype=np.int32)
-    line_ends = _line_end_ids(eng.tokenizer, stream)
+    line_ends = line_end_ids(eng.tokenizer, stream)
     assert len(line_ends) and all(eng.tokenizer.decode([int(i)]).endswith("\n") for i in line_ends)
     prompts = continuation_prompts(stream, line_ends, 12, 3, seed=0)
     assert prompts.shape == (3, 12) and all(np.isin(prompts[:, -1], line_ends))

@@ -71,7 +71,8 @@ from engine.training.model import (
 )
 from engine.training.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 from engine.training.trunk_cache import (
-    CachedHeads, TrunkOutputs, WindowBatches, continuation_prompts, continued_outputs, draft_vocabulary, trunk_outputs,
+    CachedHeads, TrunkOutputs, WindowBatches, continuation_prompts, continuation_shape, continued_outputs,
+    corpus_windows, draft_vocabulary, line_end_ids, trunk_outputs,
 )
 
 SIDECAR = HEADS_FILE  # mtp.safetensors, where the loader and `mtplxd convert` keep heads
@@ -530,7 +531,8 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corp
     embed = _dense(trunk.model.embed_tokens)
     lm_rows = (embed if getattr(trunk.args, "tie_word_embeddings", True) else _dense(trunk.lm_head))[vocab]
     cache_file = state_dir / "trunk_outputs.safetensors"
-    line_ends = _line_end_ids(engine_.tokenizer, stream)
+    # a decode of every token id the corpus uses: only where windows are continued
+    line_ends = line_end_ids(engine_.tokenizer, stream) if s.continued else np.empty(0, np.int64)
     # The trunk continues text on the engine's own decode path, which gives the hidden
     # states; MiMo's trunk is a Qwen2 / Llama-style one, so it runs any trunk heads train on.
     writer = MiMoBackend(trunk, [])
@@ -598,18 +600,6 @@ def _corpus_outputs(s: HeadsSettings, backend, lm_rows: mx.array, stream: np.nda
     return TrunkOutputs.concatenate(parts)
 
 
-def continuation_shape(seq_len: int) -> tuple[int, int]:
-    """(prompt tokens, tokens the trunk adds) of a continued window: the trunk writes
-    half of its seq_len + 1 tokens."""
-    return seq_len + 1 - seq_len // 2, seq_len // 2
-
-
-def _line_end_ids(tokenizer, stream: np.ndarray) -> np.ndarray:
-    """The token ids of the stream whose text ends with a line break."""
-    ids = np.unique(stream.astype(np.int64))
-    return np.array([i for i in ids if tokenizer.decode([int(i)]).endswith("\n")], dtype=np.int64)
-
-
 def _held_agreement(model: CachedHeads, held: TrunkOutputs, continued: TrunkOutputs | None,
                     seq_len: int) -> dict[str, float]:
     """Per head: agreement with the trunk on held-out corpus windows, and on the
@@ -619,16 +609,6 @@ def _held_agreement(model: CachedHeads, held: TrunkOutputs, continued: TrunkOutp
         agree = model.agreement(continued, mx.arange(len(continued)), continuation_shape(seq_len)[0])
         found.update({f"head{k + 1}_agree_continued": a for k, a in enumerate(agree)})
     return found
-
-
-def corpus_windows(stream: np.ndarray, seq_len: int, limit: int | None, seed: int) -> np.ndarray:
-    """Non-overlapping windows of seq_len + 1 tokens of the stream; `limit` of them, chosen
-    at random (seeded) from the whole corpus, when given."""
-    n = (len(stream) - 1) // seq_len
-    starts = np.arange(n) * seq_len
-    if limit is not None and limit < n:
-        starts = np.sort(np.random.default_rng(seed).choice(starts, size=limit, replace=False))
-    return np.stack([stream[i:i + seq_len + 1] for i in starts]).astype(np.int32)
 
 
 def _dense(layer: nn.Module) -> mx.array:

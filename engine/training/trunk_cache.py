@@ -150,6 +150,28 @@ def continuation_prompts(stream: np.ndarray, line_ends: np.ndarray, length: int,
     return np.stack([stream[end - length:end] for end in picked]).astype(np.int32)
 
 
+def corpus_windows(stream: np.ndarray, seq_len: int, limit: int | None, seed: int) -> np.ndarray:
+    """Non-overlapping windows of seq_len + 1 tokens of the stream; `limit` of them, chosen
+    at random (seeded) from the whole corpus, when given."""
+    n = (len(stream) - 1) // seq_len
+    starts = np.arange(n) * seq_len
+    if limit is not None and limit < n:
+        starts = np.sort(np.random.default_rng(seed).choice(starts, size=limit, replace=False))
+    return np.stack([stream[i:i + seq_len + 1] for i in starts]).astype(np.int32)
+
+
+def continuation_shape(seq_len: int) -> tuple[int, int]:
+    """(prompt tokens, tokens the trunk adds) of a continued window: the trunk writes
+    half of its seq_len + 1 tokens."""
+    return seq_len + 1 - seq_len // 2, seq_len // 2
+
+
+def line_end_ids(tokenizer, stream: np.ndarray) -> np.ndarray:
+    """The token ids of the stream whose text ends with a line break."""
+    ids = np.unique(stream.astype(np.int64))
+    return np.array([i for i in ids if tokenizer.decode([int(i)]).endswith("\n")], dtype=np.int64)
+
+
 class CachedHeads(nn.Module):
     """New MiMo-style heads trained against cached trunk outputs.
 
