@@ -80,8 +80,8 @@ class Engine:
 def default_dtype() -> mx.Dtype | None:
     """float32 on CPU, where half-precision matmuls skip BLAS (quantized trunks keep
     their packed weights for engine/quantized_rows.py's kernel, or are unpacked where it
-    is not built); as stored on Metal."""
-    return None if mx.metal.is_available() else mx.float32
+    is not built); as stored on a GPU (Metal, CUDA)."""
+    return None if mx.default_device() != mx.cpu else mx.float32
 
 
 def _dequantize(trunk: Any) -> None:

@@ -14,7 +14,7 @@ The same extension has the softmax engine/sampling.py uses on the CPU (sampling,
 attention in engine/backends/decode_ops.py) and the SwiGLU activation there: MLX's CPU
 exp is several times slower.
 
-Metal keeps MLX's own kernels; without the extension (no compiler at install,
+A GPU (Metal, CUDA) keeps MLX's own kernels; without the extension (no compiler at install,
 another platform) the engine unpacks as before and `describe()` says so.
 """
 
@@ -45,26 +45,35 @@ OPERATIONS = ("quantized_rows", "dequantize", "softmax", "swiglu", "attention")
 log = logging.getLogger(__name__)
 
 
-@lru_cache(maxsize=1)
 def native() -> ModuleType | None:
-    """The built extension, or None (Metal, not built, or built against another MLX)."""
+    """The built extension where the engine's arrays are the CPU's, else None: on a GPU
+    (Metal, CUDA) MLX's own kernels run, and the extension's operations, which have only
+    a CPU implementation, would fail there when evaluated."""
+    if mx.default_device() != mx.cpu:
+        return None
+    return built()
+
+
+@lru_cache(maxsize=1)
+def built() -> ModuleType | None:
+    """The built extension, or None (not built, or built against another MLX)."""
     if mx.metal.is_available():
         return None
-    built = sorted(NATIVE_DIR.glob(f"{MODULE_NAME}*.so"))
-    if not built:
+    found = sorted(NATIVE_DIR.glob(f"{MODULE_NAME}*.so"))
+    if not found:
         return None
     try:
-        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(built[0]))
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, built[0], loader=loader)
+        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(found[0]))
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, found[0], loader=loader)
         assert spec is not None
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
     except ImportError as error:  # e.g. MLX was upgraded after the build
-        log.warning("the quantized decode kernel %s does not load (%s): run `make install`", built[0], error)
+        log.warning("the quantized decode kernel %s does not load (%s): run `make install`", found[0], error)
         return None
     missing = [name for name in OPERATIONS if not hasattr(module, name)]
     if missing:  # built from an older source: the engine would call what is not there
-        log.warning("the native module %s lacks %s: run `make install`", built[0], ", ".join(missing))
+        log.warning("the native module %s lacks %s: run `make install`", found[0], ", ".join(missing))
         return None
     return module
 
@@ -72,8 +81,8 @@ def native() -> ModuleType | None:
 def describe() -> str:
     """How quantized weights run here, in one line (`mtplxd doctor`, the benches)."""
     module = native()
-    if mx.metal.is_available():
-        return "MLX's Metal kernels"
+    if mx.default_device() != mx.cpu:
+        return f"MLX's own kernels on {mx.default_device()}"
     if module is None:
         return "unpacked to float32 at load (no decode kernel built: run `make install`)"
     return f"kept packed, decode kernel {module.kernel()} on {module.threads()} thread(s) up to {ROWS_MAX} rows"

@@ -4,6 +4,7 @@ one-line errors of bad input. `mtplxd pull` is tested in test_pull.py."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from engine.conversion import QuantSpec, convert_checkpoint
 from engine.engine import Engine
 from engine.head_export import HEADS_FILE
 from engine.quantized_rows import RowsQuantizedEmbedding, RowsQuantizedLinear
+from mtplxd.bench import model_folder
 from mtplxd.cli import main
 from mtplxd.config import ConfigError, load_settings
 from mtplxd.store.models import RECORD_FILE, read_record, resolve_model
@@ -208,6 +210,10 @@ def test_models_list_resolve_and_rm(tmp_path, capsys, monkeypatch):
     assert resolve_model("tiny", state) == target
     assert resolve_model("org/tiny-mimo", state) == target
     assert load_settings({"model": "tiny"}).model == target
+    # the engine-level benches take the same (python -m mtplxd.bench.batch --model tiny)
+    assert model_folder("tiny") == str(target)
+    with pytest.raises(argparse.ArgumentTypeError, match="mtplxd pull org/other"):
+        model_folder("org/other")
     with pytest.raises(ConfigError, match="mtplxd pull org/other") as e:
         load_settings({"model": "org/other"})
     assert len(str(e.value).splitlines()) == 1

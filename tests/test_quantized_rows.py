@@ -379,14 +379,28 @@ def test_a_build_from_an_older_source_is_not_used(kernel, monkeypatch, caplog):
     """A module without an operation the engine calls (built before it was added, and
     `make install` not rerun) is refused with the reason, and the engine runs without it."""
     monkeypatch.setattr(quantized_rows, "OPERATIONS", (*quantized_rows.OPERATIONS, "an_operation_not_built"))
-    quantized_rows.native.cache_clear()
+    quantized_rows.built.cache_clear()
     try:
         assert quantized_rows.native() is None
         assert "lacks an_operation_not_built: run `make install`" in caplog.text
     finally:
         monkeypatch.undo()
-        quantized_rows.native.cache_clear()
+        quantized_rows.built.cache_clear()
     assert quantized_rows.native() is not None
+
+
+def test_a_gpu_keeps_mlx_own_kernels(kernel, monkeypatch):
+    """Where the engine's arrays live on a GPU (Metal, CUDA: MLX's default device), the
+    extension's CPU-only operations are never chosen, and weights load as stored."""
+    from engine.engine import default_dtype
+
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert quantized_rows.native() is None
+    assert quantized_rows.describe() == "MLX's own kernels on Device(gpu, 0)"
+    assert default_dtype() is None
+    monkeypatch.undo()  # the negative control: the CPU takes the extension
+    assert quantized_rows.native() is kernel
+    assert default_dtype() == mx.float32
 
 
 def test_the_harness_builds_and_measures(tmp_path):

@@ -7,7 +7,7 @@ MTP at its best depth (what one stream gets). Every configuration runs in each o
 median per configuration is reported, in tokens per second of all rows together,
 and as a multiple of the lone generation. Usage:
 
-    python -m mtplxd.bench.batch [--model PATH] [--rows 1,2,4,8,16] [--depths 1,2] [--rounds 3]
+    python -m mtplxd.bench.batch [--model PATH or NAME] [--rows 1,2,4,8,16] [--depths 1,2] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from engine.batch import DecodeBatch
 from engine.engine import Engine
 from engine.generation import GenerationRequest
 from engine.profiles import BATCH_TEMPERATURE, MEASURED_SAMPLERS
+from mtplxd.bench import model_folder
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -57,7 +58,7 @@ def _request(prompt: tuple[int, ...], depth: int, max_tokens: int, seed: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(EMBEDDED_MODEL))
+    parser.add_argument("--model", default=str(EMBEDDED_MODEL), type=model_folder)
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--depths", default="1,2")
     parser.add_argument("--rounds", type=int, default=3)

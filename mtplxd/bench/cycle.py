@@ -11,7 +11,7 @@ for a target speedup. Timing parts alone loses the overlap of the thread
 that builds a step's graph with the thread that runs it, for AR and MTP alike.
 Usage:
 
-    python -m mtplxd.bench.cycle [--model PATH] [--context 300] [--target 1.8]
+    python -m mtplxd.bench.cycle [--model PATH or NAME] [--context 300] [--target 1.8]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Callable
 import engine
 import mlx.core as mx
 
+from mtplxd.bench import model_folder
 from mtplxd.bench.rows import forward_step
 from engine.engine import Engine
 from engine.sampling import SamplerSettings, compiled_probabilities
@@ -115,7 +116,7 @@ def bounds(parts: dict[str, float], target: float) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(engine.EMBEDDED_MODEL))
+    parser.add_argument("--model", default=str(engine.EMBEDDED_MODEL), type=model_folder)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--target", type=float, default=1.8)
