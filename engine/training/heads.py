@@ -100,7 +100,10 @@ class HeadsSettings:
     eval_windows: int = 16
     compile: bool = True
     progress: bool = True
-    threads: int | None = 1  # BLAS threads (see trainer.LoopSettings)
+    # BLAS threads (see trainer.LoopSettings); None: OpenBLAS's own count, every core. A heads
+    # step multiplies thousands of rows by the head's weights and the draft vocabulary's: on 2
+    # cores SmolLM2's step took 1.9 s on two threads against 2.7 s on one (docs/performance.md).
+    threads: int | None = None
     max_minutes: float | None = None  # a time budget: stop and save when spent
     # A checkpoint that has heads: distil them further, starting from their weights
     # (joint training leaves heads that agree with the trunk less than distilled ones).

@@ -62,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time budget: save and stop once M minutes of training have passed")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--threads", metavar="N", type=int,
-                   help="OpenBLAS threads while training (default 1: training is bound by single-threaded "
-                        "element-wise work, and one thread does not stall on a shared machine)")
+                   help="OpenBLAS threads while training (default: full training 1, it is bound by "
+                        "single-threaded element-wise work and one thread does not stall on a shared machine; "
+                        "heads-only every core, its steps are large products)")
     p.add_argument("--no-compile", action="store_true", help="do not mx.compile the training step")
     p.add_argument("--windows", metavar="N", type=int,
                    help="heads-only: corpus windows the frozen trunk runs over once (default: all of them)")
