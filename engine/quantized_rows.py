@@ -80,9 +80,9 @@ def built() -> ModuleType | None:
 
 def describe() -> str:
     """How quantized weights run here, in one line (`mtplxd doctor`, the benches)."""
-    module = native()
     if mx.default_device() != mx.cpu:
         return f"MLX's own kernels on {mx.default_device()}"
+    module = built()
     if module is None:
         return "unpacked to float32 at load (no decode kernel built: run `make install`)"
     return f"kept packed, decode kernel {module.kernel()} on {module.threads()} thread(s) up to {ROWS_MAX} rows"

@@ -6,7 +6,7 @@ of --rounds rounds (the first pays the GPU's kernel compilation: read the last r
 median step and the slowest are printed, then, per mode, whether each prompt's greedy tokens
 equal AR's and where they first part. Usage:
 
-    .venv/bin/python scripts/device_check.py [--model PATH] [--rounds 2] [--tokens 64]
+    .venv/bin/python scripts/device_check.py [--model PATH or NAME] [--rounds 2] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from engine.engine import Engine, default_dtype
 from engine.generation import GenerationRequest
 from engine.quantized_rows import describe
 from engine.sampler_settings import SamplerSettings
+from mtplxd.bench import model_folder
 
 PROMPTS = ("def fibonacci(n):", "import os\n\ndef read_config(path):", "class Stack:\n    def __init__(self):")
 MODES = (("ar", 0), ("mtp", 1), ("mtp", 2))
@@ -43,7 +44,7 @@ def generate(e: Engine, prompt: str, mode: str, depth: int, temperature: float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(engine.EMBEDDED_MODEL))
+    parser.add_argument("--model", default=str(engine.EMBEDDED_MODEL), type=model_folder)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
