@@ -24,7 +24,7 @@ from engine.backends.descriptors import BackendDescriptor, inspect_checkpoint
 from engine.checkpoint import CheckpointError, load_weights, read_config, text_config
 from engine.generation import Generation, GenerationRequest
 from engine.quantized import quantization
-from engine.quantized_rows import is_kept, keep_packed
+from engine.quantized_rows import is_kept, keep_packed, pack_heads
 from engine.sessions.state import Restore
 
 
@@ -39,9 +39,12 @@ class Engine:
     sharding: str = "not sharded (one rank)"  # several ranks: how the model is split (engine/distributed.py)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: mx.Dtype | None = None, group: Any = None) -> Engine:
+    def load(cls, path: str | Path, dtype: mx.Dtype | None = None, group: Any = None,
+             trainable_heads: bool = False) -> Engine:
         """`group`: an mx.distributed group of several ranks to split the model over;
-        its weights then stay lazy until each rank has taken its slice."""
+        its weights then stay lazy until each rank has taken its slice. `trainable_heads`:
+        keep the MTP heads as stored (training reads and updates them); otherwise, beside
+        a trunk kept packed for the CPU kernel, they are packed too."""
         folder = Path(path).expanduser().resolve()
         report = inspect_checkpoint(folder)
         if report.status == "unsupported":
@@ -58,7 +61,8 @@ class Engine:
             backend = module.load(folder, config, weights)
         sharding = shard(backend, group) if several else cls.sharding
         if target is not None and quantization(config) is not None:
-            keep_packed(backend.trunk)
+            if keep_packed(backend.trunk) and backend.packable_heads and not trainable_heads:
+                pack_heads(backend.heads)
             _dequantize(backend.trunk)
         context = int(text_config(config).get("max_position_embeddings") or 4096)
         return cls(folder, backend, report.descriptor, load_tokenizer(folder), context, sharding)

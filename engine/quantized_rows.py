@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -39,6 +40,13 @@ MODULE_NAME = "_mtplxd_quantized_rows"
 ROWS_MAX = 64
 BITS = (4, 8)
 CHUNK = 32  # the kernel reads groups in chunks of 32 values
+HEAD_BITS = 8  # MTP heads packed beside a packed trunk (pack_heads)
+# Threads a large product runs on, the caller (MLX's worker) included. Two where there are
+# two cores: rows beyond the first are compute-bound in the kernel, and with a helper SmolLM2's
+# depth-1 MTP went from 71 to 82 tok/s and AR batches of 4 and 8 rows from 137 / 147 to
+# 173 / 192 tok/s, while one-row AR kept its speed (72.5 / 72.6): alternated in one process,
+# docs/performance.md. More helpers are untested (this machine has two cores).
+KERNEL_THREADS = min(2, os.cpu_count() or 1)
 # What the engine calls in the module (a build from an older source lacks some).
 OPERATIONS = ("quantized_rows", "dequantize", "softmax", "swiglu", "attention")
 
@@ -75,6 +83,7 @@ def built() -> ModuleType | None:
     if missing:  # built from an older source: the engine would call what is not there
         log.warning("the native module %s lacks %s: run `make install`", found[0], ", ".join(missing))
         return None
+    module.set_threads(KERNEL_THREADS)
     return module
 
 
@@ -130,6 +139,26 @@ def keep_packed(model: nn.Module) -> int:
         if twin is not None and module.mode == "affine" and takes(module.bits, module.group_size):
             module.__class__ = twin
             count += 1
+    return count
+
+
+def pack_heads(heads: list[nn.Module]) -> int:
+    """Pack the MTP heads' linear layers at HEAD_BITS for the kernel, beside a trunk kept
+    packed; returns how many. Stored in bfloat16 and cast to float32 on the CPU, SmolLM2's
+    two heads read 17 MB a draft; at 8 bits a quarter. The drafts barely move (the same
+    acceptance at T=0 on the bench's prompts) and exactness never depends on them: q is
+    whatever the head computes. Depth-1 MTP went from 82.7 to 85.8 tok/s at T=0 and 78.0
+    to 84.2 at T=0.6 (docs/performance.md)."""
+    if native() is None:
+        return 0
+
+    def packable(_: str, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear) and module.weight.shape[-1] % CHUNK == 0
+
+    count = 0
+    for head in heads:
+        nn.quantize(head, group_size=CHUNK, bits=HEAD_BITS, class_predicate=packable)
+        count += keep_packed(head)
     return count
 
 

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -107,6 +108,44 @@ def test_convert_keeps_heads_in_float(tmp_path, monkeypatch, family, bits):
     mtp, _, results = run(kept, PROMPT, mode="mtp", depth=2, sampler=greedy(), max_tokens=24)
     assert sum(r.drafted for r in results) > 0
     assert_greedy_agree(kept.backend, PROMPT, ar, mtp)
+
+
+def _head_linears(engine_: Engine) -> list:
+    return [m for head in engine_.backend.heads for _, m in head.named_modules()
+            if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+
+
+@pytest.mark.skipif(quantized_rows.native() is None, reason="no decode kernel built (macOS: Metal's own kernels)")
+def test_mimo_heads_are_packed_beside_a_packed_trunk(tmp_path):
+    """On the CPU, MiMo heads beside a trunk kept packed are packed at 8 bits for the
+    kernel: their drafts stay close to the stored heads', MTP stays exact, and training
+    loads them as stored. A family whose heads read `.weight` directly keeps them."""
+    src = write("mimo", tmp_path / "src", mtp_heads=2)
+    out = convert_checkpoint(src, tmp_path / "out", QuantSpec(4, GROUP)).out
+    packed, stored = Engine.load(out), Engine.load(out, trainable_heads=True)
+    assert _head_linears(packed) and all(isinstance(m, RowsQuantizedLinear) and m.bits == quantized_rows.HEAD_BITS
+                                         for m in _head_linears(packed))
+    assert _head_linears(stored) and all(type(m) is nn.Linear for m in _head_linears(stored))
+
+    tokens = mx.array([PROMPT])
+    drafts = []
+    for loaded in (packed, stored):
+        _, hidden = loaded.backend.forward(tokens, loaded.backend.make_cache())
+        logits, _ = loaded.backend.head(0, hidden[:, :-1], tokens[:, 1:], loaded.backend.make_head_caches()[0])
+        drafts.append(np.array(logits[0], dtype=np.float64))
+    # 8-bit rounding of each weight (a 255th of its group's range) moves the logits by a
+    # small fraction of their spread, and seldom their argmax
+    assert 0 < np.abs(drafts[0] - drafts[1]).max() <= 2**-5 * np.abs(drafts[1]).max()
+    assert (drafts[0].argmax(-1) == drafts[1].argmax(-1)).mean() >= 0.75
+
+    ar, _, _ = run(packed, PROMPT, mode="ar", sampler=greedy(), max_tokens=24)
+    mtp, _, results = run(packed, PROMPT, mode="mtp", depth=2, sampler=greedy(), max_tokens=24)
+    assert sum(r.drafted for r in results) > 0
+    assert_greedy_agree(packed.backend, PROMPT, ar, mtp)
+
+    other = convert_checkpoint(write("deepseek_v4", tmp_path / "v4"), tmp_path / "v4q", QuantSpec(4, GROUP)).out
+    kept_float = _head_linears(Engine.load(other))
+    assert kept_float and all(type(m) is nn.Linear for m in kept_float)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])

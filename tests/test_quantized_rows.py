@@ -13,6 +13,7 @@ Models through the kernel are compared with unpacked weights in test_models.py."
 from __future__ import annotations
 
 import io
+import os
 import sys
 
 import mlx.core as mx
@@ -83,6 +84,12 @@ def test_helper_threads_change_nothing(kernel):
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], results[2])
     assert_close(results[0], reference(x, packed, 4, 64), DOT_ULPS, "split over threads")
+
+
+def test_decoding_splits_products_over_two_cores_where_there_are_two(kernel):
+    """Rows beyond the first are compute-bound in the kernel: a helper thread serves them
+    (engine/quantized_rows.py, KERNEL_THREADS)."""
+    assert kernel.threads() == min(2, os.cpu_count() or 1)  # as loaded, before any test changes it
 
 
 def test_negative_controls_fall_outside_the_bound(kernel):

@@ -78,6 +78,9 @@ class Backend:
     heads: list[nn.Module]  # MTP heads, one per depth the checkpoint has
     vocab_size: int
     ranks: Ranks = Ranks()  # one rank until engine/distributed.py shards it
+    # Whether the heads' linear layers are only ever called, never read as `.weight`: then
+    # the CPU kernel may pack them (engine/quantized_rows.py, pack_heads).
+    packable_heads: bool = False
 
     def __init__(self, trunk: nn.Module, heads: list[nn.Module]):
         self.trunk = trunk

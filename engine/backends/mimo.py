@@ -104,6 +104,7 @@ def block_output(block: nn.Module, x: mx.array, attended: mx.array) -> mx.array:
 
 class MiMoBackend(Backend):
     family = "mimo"
+    packable_heads = True
 
     def __init__(self, trunk: mimo.Model, heads: list[MTPLayer], draft_ids: mx.array | None = None):
         super().__init__(trunk, cast("list[nn.Module]", heads))

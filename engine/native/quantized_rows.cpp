@@ -248,7 +248,7 @@ void block256(const Problem& p, int r0) {
 
 // ---- helper threads ----------------------------------------------------------
 // A product may be split by weight rows over the calling thread (MLX's CPU worker) and
-// a few helpers (off by default, see count_). Products of a decode step take tens of microseconds, about what
+// a few helpers (engine/quantized_rows.py asks for one where there are two cores). Products of a decode step take tens of microseconds, about what
 // waking a sleeping thread costs, so after each one the helpers keep watching for
 // the next for SPIN (yielding their core to any thread that wants it) before they
 // sleep: within a step, where products follow each other closely, they are awake.
@@ -315,8 +315,8 @@ class Helpers {
     }
   }
 
-  // No helpers unless asked (set_threads): when other work holds the cores, a split
-  // product waits for its slowest slice, and a helper that is not running stalls it.
+  // No helpers until asked (set_threads, which the engine calls at load): when other work
+  // holds the cores, a split product waits for its slowest slice.
   int count_ = 0;
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> generation_{0};

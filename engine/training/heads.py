@@ -434,7 +434,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
         config, dtype = prepare_family_output(src, out, report, s.heads)
     else:
         config, dtype = prepare_output(src, out, s.heads or 2, s.replace_heads)
-    engine_ = Engine.load(src)  # the original, float32 on CPU
+    engine_ = Engine.load(src, trainable_heads=True)  # the original, float32 on CPU
     engine_.backend.trunk.freeze()
     encoder = _encoder(src, engine_)
     has_fim = None not in (encoder.token_to_id(t) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE))

@@ -1,0 +1,65 @@
+"""How often the MTP heads' drafts are accepted on held-out code, at temperature 0.
+
+Two prompt sets from the standard-library modules no training run sees
+(engine/training/corpus.py): the opening of each module's first `def` (what
+`mtplxd bench` and the daemon's calibration decode), and `--lines` cuts at random
+line breaks of the same modules (seeded), which reach bodies, docstrings and
+class code the first set misses. Each prompt is the text before its cut, up to
+`--chars` characters; the engine decodes `--tokens` greedy tokens through its own
+speculative loop and counts the drafts it accepts. Usage:
+
+    python -m mtplxd.bench.acceptance [--model PATH or NAME] [--lines 64] [--depth 1] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import engine
+import numpy as np
+
+from engine.engine import Engine
+from engine.training.corpus import held_out_files
+from engine.training.measure import measure_acceptance
+from mtplxd.bench import model_folder
+from mtplxd.calibrate import held_out_prompts
+
+CHARS = 1200
+MIN_CONTEXT = 200  # characters before a cut: a prompt with some code to go on
+
+
+def line_prompts(n: int, seed: int = 0, chars: int = CHARS) -> list[str]:
+    """`n` texts, each ending at a line break chosen at random (seeded) among every
+    line break of the held-out modules with at least MIN_CONTEXT characters before it."""
+    cuts = [(doc.text, end + 1) for doc in held_out_files()
+            for end in range(MIN_CONTEXT, len(doc.text) - 1) if doc.text[end] == "\n"]
+    if not cuts:
+        return []
+    picked = np.random.default_rng(seed).choice(len(cuts), size=min(n, len(cuts)), replace=False)
+    return [text[max(0, end - chars):end] for text, end in (cuts[i] for i in sorted(picked))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=model_folder, default=str(engine.EMBEDDED_MODEL))
+    parser.add_argument("--lines", type=int, default=64, help="prompts cut at random line breaks")
+    parser.add_argument("--defs", type=int, default=100, help="at most this many first-`def` prompts")
+    parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=128, help="greedy tokens decoded a prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    engine_ = Engine.load(args.model)
+    if not getattr(engine_.backend, "heads", None):
+        parser.error(f"{args.model} has no MTP heads")
+    sets = {"first_defs": held_out_prompts(args.defs), "line_breaks": line_prompts(args.lines, args.seed)}
+    found = {}
+    for name, prompts in sets.items():
+        by_depth = measure_acceptance(engine_, prompts, depth=args.depth, n_tokens=args.tokens)
+        found[name] = {"prompts": len(prompts), "acceptance_by_depth_t0": [round(a, 3) for a in by_depth]}
+    print(json.dumps({"model": args.model, "tokens": args.tokens, **found}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
