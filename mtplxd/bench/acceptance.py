@@ -5,7 +5,7 @@ Two prompt sets from the standard-library modules no training run sees
 `mtplxd bench` and the daemon's calibration decode), and `--lines` cuts at random
 line breaks of the same modules (seeded), which reach bodies, docstrings and
 class code the first set misses. Each prompt is the text before its cut, up to
-`--chars` characters; the engine decodes `--tokens` greedy tokens through its own
+CHARS characters; the engine decodes `--tokens` greedy tokens through its own
 speculative loop and counts the drafts it accepts. Usage:
 
     python -m mtplxd.bench.acceptance [--model PATH or NAME] [--lines 64] [--depth 1] [--tokens 128]
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     engine_ = Engine.load(args.model)
-    if not getattr(engine_.backend, "heads", None):
+    if not engine_.backend.n_heads:
         parser.error(f"{args.model} has no MTP heads")
     sets = {"first_defs": held_out_prompts(args.defs), "line_breaks": line_prompts(args.lines, args.seed)}
     found = {}
