@@ -68,22 +68,29 @@ def test_the_paths_this_machine_should_have(kernel):
 
 
 def test_helper_threads_change_nothing(kernel):
-    """A large product is split by weight rows over helper threads; each output is
-    still computed by one thread with the same code: bitwise the same result."""
+    """A large product is split by weight rows over helper threads, the attention of a
+    step of many rows by (row, KV head); each output is still computed by one thread
+    with the same code: bitwise the same result."""
     packed = weights(1000, 1024, 4, 64)
     x = mx.random.normal((8, 1024), key=mx.random.key(5))
+    q = mx.random.normal((8, 8, 1, 64), key=mx.random.key(6)) * 0.3
+    k, v = (mx.random.normal((8, 4, 600, 64), key=mx.random.key(s)) for s in (7, 8))
     threads = kernel.threads()
     try:
-        results = []
+        products, attended = [], []
         for n in (1, 2, 3):
             kernel.set_threads(n)
             assert kernel.threads() == n
-            results.append(np.array(kernel.quantized_rows(x, *packed, 64, 4)))
+            products.append(np.array(kernel.quantized_rows(x, *packed, 64, 4)))
+            attended.append(np.array(kernel.attention(q, k, v)))
     finally:
         kernel.set_threads(threads)
-    np.testing.assert_array_equal(results[0], results[1])
-    np.testing.assert_array_equal(results[0], results[2])
-    assert_close(results[0], reference(x, packed, 4, 64), DOT_ULPS, "split over threads")
+    for results in (products, attended):
+        np.testing.assert_array_equal(results[0], results[1])
+        np.testing.assert_array_equal(results[0], results[2])
+    assert_close(products[0], reference(x, packed, 4, 64), DOT_ULPS, "split over threads")
+    everywhere = np.ones((8, 8, 1, 600), bool)
+    assert_close(attended[1], attention64(q, k, v, everywhere), DOT_ULPS, "attention split over threads")
 
 
 def test_decoding_splits_products_over_two_cores_where_there_are_two(kernel):
@@ -306,10 +313,10 @@ def attention64(q, k, v, allowed) -> np.ndarray:
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,length,keys", [(1, 9, 3, 1, 300), (1, 9, 3, 4, 37), (3, 4, 2, 2, 17),
-                                                               (2, 4, 4, 1, 5)])
+                                                               (2, 4, 4, 1, 5), (8, 9, 3, 2, 300)])
 def test_attention_equals_float64_on_every_path(kernel, batch, heads, kv_heads, length, keys):
-    """The native attention of a decode step, a verify window and a batch of rows, over keys
-    and values read in place from a longer cache buffer (a strided view), causal or
+    """The native attention of a decode step, a verify window and a batch of rows (the last
+    case large enough to be split over the helper threads), over keys and values read in place from a longer cache buffer (a strided view), causal or
     with a batch's mask ([B, 1, G * L, T], or one [G * L, T] for every row). Negative
     controls: the window read as if unmasked, and half of a row's mask flipped."""
     rng = np.random.default_rng(batch * 100 + keys)

@@ -718,26 +718,64 @@ void add_scaled(float w, const float* x, float* y, int n) {
   add_scaled_portable(w, x, y, n);
 }
 
+// Rows r0 .. r1 of one (batch row, KV head)'s G * L queries (row g * L + l: query head
+// kv * G + g at new position l, as the mask orders them). The keys and values are read
+// once for all of them, key by key, while they sit in L1: looping over the query heads
+// outside read the whole cache once per head.
+void attend_rows(const Attention& a, int b, int kv, int r0, int r1, std::vector<float>& scores) {
+  const int group = a.heads / a.kv_heads, rows = r1 - r0;
+  const float* keys = a.k + b * a.k_strides[0] + kv * a.k_strides[1];
+  const float* values = a.v + b * a.v_strides[0] + kv * a.v_strides[1];
+  scores.resize(size_t(rows) * a.keys);
+  std::vector<const float*> query(rows);
+  std::vector<const uint8_t*> allowed(rows);
+  std::vector<float*> out(rows);
+  std::vector<int> reads(rows);
+  for (int i = 0; i < rows; ++i) {
+    const int g = (r0 + i) / a.length, l = (r0 + i) % a.length, head = kv * group + g;
+    query[i] = a.q + b * a.q_strides[0] + head * a.q_strides[1] + l * a.q_strides[2];
+    allowed[i] = a.mask ? a.mask + b * a.mask_batch + int64_t(r0 + i) * a.keys : nullptr;
+    out[i] = a.out + ((int64_t(b) * a.heads + head) * a.length + l) * a.dim;
+    reads[i] = a.causal ? a.keys - a.length + l + 1 : a.keys;
+  }
+  for (int t = 0; t < a.keys; ++t) {
+    const float* key = keys + t * a.k_strides[2];
+    for (int i = 0; i < rows; ++i)
+      if (t < reads[i]) scores[size_t(i) * a.keys + t] = allowed[i] && !allowed[i][t] ? -INFINITY : dot(query[i], key, a.dim);
+  }
+  for (int i = 0; i < rows; ++i) {
+    float* row = scores.data() + size_t(i) * a.keys;
+    softmax_row(row, row, reads[i]);
+    std::fill(out[i], out[i] + a.dim, 0.0f);
+  }
+  for (int t = 0; t < a.keys; ++t) {
+    const float* value = values + t * a.v_strides[2];
+    for (int i = 0; i < rows; ++i)
+      if (t < reads[i]) add_scaled(scores[size_t(i) * a.keys + t], value, out[i], a.dim);
+  }
+}
+
+// A step of several rows splits its attention over the helper threads like a large
+// product, each thread taking a run of (batch row, KV head) units. Measured on SmolLM2
+// (3 KV heads, 2 cores, alternated in one process): 8 rows after 300 tokens decoded at
+// 186 against 165 tok/s split, 4 rows the same either way, and one row lost 10-13%
+// (68 against 75 tok/s after 300 tokens, 49 against 55 after 1,500): a step of one row
+// is short, and its helper's wake-up and the graph-building Python thread then share
+// the cores.
+constexpr size_t ATTENTION_PARALLEL_MIN_MACS = size_t(1) << 20;
+
 void attend(const Attention& a) {
-  const int group = a.heads / a.kv_heads;
-  std::vector<float> scores(a.keys), weights(a.keys);
-  for (int b = 0; b < a.batch; ++b)
-    for (int head = 0; head < a.heads; ++head) {
-      const int kv = head / group, g = head % group;
-      const float* keys = a.k + b * a.k_strides[0] + kv * a.k_strides[1];
-      const float* values = a.v + b * a.v_strides[0] + kv * a.v_strides[1];
-      for (int l = 0; l < a.length; ++l) {
-        const float* query = a.q + b * a.q_strides[0] + head * a.q_strides[1] + l * a.q_strides[2];
-        const uint8_t* allowed = a.mask ? a.mask + b * a.mask_batch + int64_t(g * a.length + l) * a.keys : nullptr;
-        const int reads = a.causal ? a.keys - a.length + l + 1 : a.keys;
-        for (int t = 0; t < reads; ++t)
-          scores[t] = allowed && !allowed[t] ? -INFINITY : dot(query, keys + t * a.k_strides[2], a.dim);
-        softmax_row(scores.data(), weights.data(), reads);
-        float* out = a.out + ((int64_t(b) * a.heads + head) * a.length + l) * a.dim;
-        std::fill(out, out + a.dim, 0.0f);
-        for (int t = 0; t < reads; ++t) add_scaled(weights[t], values + t * a.v_strides[2], out, a.dim);
-      }
-    }
+  const int rows = a.heads / a.kv_heads * a.length, units = a.batch * a.kv_heads;
+  const size_t macs = size_t(a.batch) * a.heads * a.length * a.keys * a.dim;
+  const int helpers_too = helpers.size() + 1;
+  const int threads = macs >= ATTENTION_PARALLEL_MIN_MACS && units >= 2 * helpers_too ? helpers_too : 1;
+  auto run = [&](int slice) {
+    std::vector<float> scores;
+    for (int unit = slice * units / threads; unit < (slice + 1) * units / threads; ++unit)
+      attend_rows(a, unit / a.kv_heads, unit % a.kv_heads, 0, rows, scores);
+  };
+  if (threads == 1) return run(0);
+  helpers.run(run);
 }
 
 #ifndef MTPLXD_STANDALONE
