@@ -113,6 +113,17 @@ def softmax(logits: mx.array) -> mx.array:
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
+def top_values(x: mx.array, k: int) -> mx.array:
+    """The k largest values of each row of x [..., V], in no particular order (the values
+    of mx.topk). On the CPU the native module's: MLX's CPU topk partitions the whole row
+    (~0.6 ms of SmolLM2's 49,152 tokens, two thirds of a top-p filter), the native one
+    finds the k-th value's bucket in a histogram (~0.01 ms)."""
+    module = native()
+    if module is not None and x.dtype == mx.float32:
+        return module.top_values(x, k)
+    return mx.topk(x, k, axis=-1)
+
+
 def _one_hot_argmax(logits: mx.array) -> mx.array:
     vocab = mx.arange(logits.shape[-1])
     top = mx.argmax(logits, axis=-1, keepdims=True)
@@ -151,7 +162,7 @@ def _keep_mask(probs: mx.array, s: SamplerSettings | _TracedSettings, shortcut: 
 def _top_k_mask(probs: mx.array, k: int) -> mx.array:
     """The k most probable tokens; ties at the k-th value go to the lowest ids
     (as a stable descending sort would), so exactly k are kept."""
-    kth = mx.topk(probs, k, axis=-1).min(axis=-1, keepdims=True)
+    kth = top_values(probs, k).min(axis=-1, keepdims=True)
     above = probs > kth
     tied = probs == kth
     room = k - above.sum(axis=-1, keepdims=True)
@@ -185,7 +196,7 @@ def _top_p_cut(probs: mx.array, top_p: float | mx.array, size: int, shortcut: bo
 
     if not shortcut:
         return cut(probs)[0], None
-    value, before = cut(mx.topk(probs, min(size, TOP_P_CANDIDATES), axis=-1))
+    value, before = cut(top_values(probs, min(size, TOP_P_CANDIDATES)))
     if size <= TOP_P_CANDIDATES:
         return value, None
     return value, mx.all(before[..., -1:] >= threshold)

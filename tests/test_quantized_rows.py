@@ -350,6 +350,39 @@ def test_attention_equals_float64_on_every_path(kernel, batch, heads, kv_heads, 
                   "attention, half the mask of a row flipped") > 10
 
 
+@pytest.mark.parametrize("rows,n,k", [(3, 49152, 512), (2, 600, 600), (4, 1000, 1), (2, 7, 3)])
+def test_top_values_are_the_values_of_mx_topk(kernel, rows, n, k):
+    """The k largest of each row, as a multiset (neither returns them in order): rows with
+    negatives, ties across the k-th value, zeros and -inf, and probability rows as top-p
+    reads them. Negative control: the row's largest value lowered changes the answer."""
+    rng = np.random.default_rng(n + k)
+    x = rng.normal(0, 3, (rows, n)).astype(np.float32)
+    x[0, : n // 4] = 0.0
+    x[0, -1] = -np.inf
+    x[-1, 1 : min(n, 600)] = x[-1, 0]  # a tie that spans the k-th value
+    probs = np.array(mx.softmax(mx.array(x[:, ::-1] / 0.6), axis=-1))
+    for values in (x, probs):
+        got = np.sort(np.array(kernel.top_values(mx.array(values), k)), axis=-1)
+        want = np.sort(np.array(mx.topk(mx.array(values), k, axis=-1)), axis=-1)
+        np.testing.assert_array_equal(got, want)
+    lowered = x.copy()
+    lowered[0, np.argmax(lowered[0])] = np.float32(-1e30)
+    got = np.sort(np.array(kernel.top_values(mx.array(lowered), k)), axis=-1)
+    assert not np.array_equal(got, np.sort(np.array(mx.topk(mx.array(x), k, axis=-1)), axis=-1))
+
+
+def test_sampling_takes_the_native_top_values(kernel):
+    from engine.sampling import top_values
+
+    graph = io.StringIO()
+    mx.export_to_dot(graph, top_values(mx.random.normal((2, 100)), 10))
+    assert '"TopValues"' in graph.getvalue()
+    with pytest.raises(ValueError, match="k must be"):
+        kernel.top_values(mx.zeros((2, 5)), 6)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.top_values(mx.zeros((2, 5), dtype=mx.float16), 2)
+
+
 def test_the_engine_attention_takes_the_native_one(kernel, monkeypatch):
     """cpu_attention runs a step of up to NATIVE_MAX_POSITIONS positions in the native
     operation (one node in the graph) and gives what MLX's operations give; a prompt's
