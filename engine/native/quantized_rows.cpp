@@ -718,12 +718,12 @@ void add_scaled(float w, const float* x, float* y, int n) {
   add_scaled_portable(w, x, y, n);
 }
 
-// Rows r0 .. r1 of one (batch row, KV head)'s G * L queries (row g * L + l: query head
-// kv * G + g at new position l, as the mask orders them). The keys and values are read
-// once for all of them, key by key, while they sit in L1: looping over the query heads
-// outside read the whole cache once per head.
-void attend_rows(const Attention& a, int b, int kv, int r0, int r1, std::vector<float>& scores) {
-  const int group = a.heads / a.kv_heads, rows = r1 - r0;
+// The G * L queries of one (batch row, KV head) (row g * L + l: query head kv * G + g at
+// new position l, as the mask orders them). The keys and values are read once for all of
+// them, key by key, while they sit in L1: looping over the query heads outside read the
+// whole cache once per head.
+void attend_unit(const Attention& a, int b, int kv, std::vector<float>& scores) {
+  const int group = a.heads / a.kv_heads, rows = group * a.length;
   const float* keys = a.k + b * a.k_strides[0] + kv * a.k_strides[1];
   const float* values = a.v + b * a.v_strides[0] + kv * a.v_strides[1];
   scores.resize(size_t(rows) * a.keys);
@@ -732,9 +732,9 @@ void attend_rows(const Attention& a, int b, int kv, int r0, int r1, std::vector<
   std::vector<float*> out(rows);
   std::vector<int> reads(rows);
   for (int i = 0; i < rows; ++i) {
-    const int g = (r0 + i) / a.length, l = (r0 + i) % a.length, head = kv * group + g;
+    const int g = i / a.length, l = i % a.length, head = kv * group + g;
     query[i] = a.q + b * a.q_strides[0] + head * a.q_strides[1] + l * a.q_strides[2];
-    allowed[i] = a.mask ? a.mask + b * a.mask_batch + int64_t(r0 + i) * a.keys : nullptr;
+    allowed[i] = a.mask ? a.mask + b * a.mask_batch + int64_t(i) * a.keys : nullptr;
     out[i] = a.out + ((int64_t(b) * a.heads + head) * a.length + l) * a.dim;
     reads[i] = a.causal ? a.keys - a.length + l + 1 : a.keys;
   }
@@ -765,14 +765,14 @@ void attend_rows(const Attention& a, int b, int kv, int r0, int r1, std::vector<
 constexpr size_t ATTENTION_PARALLEL_MIN_MACS = size_t(1) << 20;
 
 void attend(const Attention& a) {
-  const int rows = a.heads / a.kv_heads * a.length, units = a.batch * a.kv_heads;
+  const int units = a.batch * a.kv_heads;
   const size_t macs = size_t(a.batch) * a.heads * a.length * a.keys * a.dim;
   const int helpers_too = helpers.size() + 1;
   const int threads = macs >= ATTENTION_PARALLEL_MIN_MACS && units >= 2 * helpers_too ? helpers_too : 1;
   auto run = [&](int slice) {
     std::vector<float> scores;
     for (int unit = slice * units / threads; unit < (slice + 1) * units / threads; ++unit)
-      attend_rows(a, unit / a.kv_heads, unit % a.kv_heads, 0, rows, scores);
+      attend_unit(a, unit / a.kv_heads, unit % a.kv_heads, scores);
   };
   if (threads == 1) return run(0);
   helpers.run(run);
