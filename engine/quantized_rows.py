@@ -11,8 +11,9 @@ the duration of one product and let BLAS multiply: there the weights are read on
 for hundreds of rows.
 
 The same extension has the softmax engine/sampling.py uses on the CPU (sampling, and
-attention in engine/backends/decode_ops.py) and the SwiGLU activation there: MLX's CPU
-exp is several times slower.
+attention in engine/backends/decode_ops.py) and the SwiGLU activation there (MLX's CPU
+exp is several times slower), a decode step's attention, and the top values top-p seeks
+its cut among (MLX's CPU topk partitions the whole vocabulary).
 
 A GPU (Metal, CUDA) keeps MLX's own kernels; without the extension (no compiler at install,
 another platform) the engine unpacks as before and `describe()` says so.
