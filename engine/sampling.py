@@ -117,7 +117,8 @@ def top_values(x: mx.array, k: int) -> mx.array:
     """The k largest values of each row of x [..., V], in no particular order (the values
     of mx.topk). On the CPU the native module's: MLX's CPU topk partitions the whole row
     (~0.6 ms of SmolLM2's 49,152 tokens, two thirds of a top-p filter), the native one
-    finds the k-th value's bucket in a histogram (~0.01 ms)."""
+    finds the k-th value's bucket in a histogram (8 rows of 512 of 49,152: 0.65 ms against
+    3.1, each with ~0.07 ms of MLX's evaluation)."""
     module = native()
     if module is not None and x.dtype == mx.float32:
         return module.top_values(x, k)

@@ -316,9 +316,10 @@ def attention64(q, k, v, allowed) -> np.ndarray:
                                                                (2, 4, 4, 1, 5), (8, 9, 3, 2, 300)])
 def test_attention_equals_float64_on_every_path(kernel, batch, heads, kv_heads, length, keys):
     """The native attention of a decode step, a verify window and a batch of rows (the last
-    case large enough to be split over the helper threads), over keys and values read in place from a longer cache buffer (a strided view), causal or
-    with a batch's mask ([B, 1, G * L, T], or one [G * L, T] for every row). Negative
-    controls: the window read as if unmasked, and half of a row's mask flipped."""
+    case large enough to be split over the helper threads), over keys and values read in
+    place from a longer cache buffer (a strided view), causal or with a batch's mask
+    ([B, 1, G * L, T], or one [G * L, T] for every row). Negative controls: the window read
+    as if unmasked, and half of a row's mask flipped."""
     rng = np.random.default_rng(batch * 100 + keys)
     q = mx.array(rng.normal(0, 0.3, (batch, heads, length, 64)).astype(np.float32))
     k_buffer, v_buffer = (mx.array(rng.normal(0, 1, (batch, kv_heads, keys + 40, 64)).astype(np.float32))
