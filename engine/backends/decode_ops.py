@@ -24,12 +24,13 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 
-from engine.quantized_rows import native
+from engine.quantized_rows import RowsQuantizedLinear, native
 from engine.sampling import softmax
 
 FIRST_SIZE = 4096  # positions tabulated before the first doubling
@@ -146,3 +147,65 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | Causal
             mask = grouped_mask(create_causal_mask(mask.length, mask.offset), group)
         weights = softmax(scores if mask is None else mx.where(mask, scores, -mx.inf))
     return (weights @ v).reshape(B, H, L, D).astype(q.dtype)
+
+
+class NativeBlock:
+    """A Llama-style decoder block as the native module's two operations, for decode steps
+    on the CPU: `inputs` (norm, q, k, v, rotary, q's scale) up to the KV cache and `output`
+    (o, residual, norm, gate, up, SwiGLU, down, residual) after the attention. Built from
+    MLX's operations the block was ~43 a layer, each with its dispatch on the Python thread
+    and on the CPU worker: 1,300 a SmolLM2 token (docs/performance.md). `of` says whether a
+    block is one: RMSNorms, the seven linear layers kept packed for the kernel (biases
+    allowed), no norms of q and k."""
+
+    def __init__(self, block: nn.Module, module: ModuleType):
+        attn, mlp = block.self_attn, block.mlp
+        self.module = module
+        self.attention = attn
+        self.norms = (block.input_layernorm, block.post_attention_layernorm)
+        self.into = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.out = (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        self.layouts_in = [n for layer in self.into for n in _layout(layer)]
+        self.layouts_out = [n for layer in self.out for n in _layout(layer)]
+
+    @staticmethod
+    def of(block: nn.Module) -> NativeBlock | None:
+        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        norms = [getattr(block, name, None) for name in ("input_layernorm", "post_attention_layernorm")]
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        module = native()
+        if module is None or attn is None or mlp is None or hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return None
+        layers = [getattr(attn, n, None) for n in names] + [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(layer) is RowsQuantizedLinear and "biases" in layer for layer in layers):
+            return None
+        if not all(type(norm) is nn.RMSNorm and norm.weight.dtype == mx.float32 for norm in norms):
+            return None
+        return NativeBlock(block, module)
+
+    def inputs(self, rows: mx.array, cos: mx.array, sin: mx.array, length: int) -> list[mx.array]:
+        """Rows [B*L, D] -> q (scaled), k, v [B, heads, L, head_dim]; cos, sin [L, head_dim]
+        or [B, 1, L, head_dim]."""
+        attn, norm = self.attention, self.norms[0]
+        cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+        return self.module.block_in(rows, norm.weight, norm.eps, _weights(self.into), self.layouts_in, cos, sin,
+                                 attn.n_heads, attn.n_kv_heads, length, attn.scale)
+
+    def output(self, rows: mx.array, attended: mx.array) -> mx.array:
+        norm = self.norms[1]
+        return self.module.block_out(rows, attended, norm.weight, norm.eps, _weights(self.out), self.layouts_out)
+
+
+def _layout(layer: nn.Module) -> tuple[int, int, int]:
+    return layer.group_size, layer.bits, int("bias" in layer)
+
+
+def _weights(layers: tuple[nn.Module, ...]) -> list[mx.array]:
+    """Each layer's weight, scales, biases and (where it has one) bias, read at every call:
+    a layer's arrays may be replaced after the block was first run."""
+    arrays = []
+    for layer in layers:
+        arrays += [layer["weight"], layer["scales"], layer["biases"]]
+        if "bias" in layer:
+            arrays.append(layer["bias"])
+    return arrays

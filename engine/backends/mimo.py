@@ -26,8 +26,9 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 
 from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY, DraftVocabulary
-from engine.backends.decode_ops import Causal, RopeTable, apply_rope, cpu_attention, swiglu
+from engine.backends.decode_ops import Causal, NativeBlock, RopeTable, apply_rope, cpu_attention, swiglu
 from engine.distributed import ShardingError, shard_attention, shard_mlp
+from engine.quantized_rows import ROWS_MAX
 
 HEAD_PREFIX = "model.mtp_layers."
 # Steps of at most this many tokens (decode steps, verify windows, drafts) run
@@ -116,6 +117,7 @@ class MiMoBackend(Backend):
         self.rope = RopeTable(rope, head_dim) if RopeTable.supports(rope) else None
         self.group = args.num_attention_heads // args.num_key_value_heads
         self._compiled: dict[tuple[str, int], Callable] = {}
+        self._native: dict[int, NativeBlock | None] = {}
 
     def forward(self, tokens, cache, tape: Tape | None = None):
         model = self.trunk.model
@@ -132,6 +134,7 @@ class MiMoBackend(Backend):
             raise ShardingError(f"mimo: intermediate_size {self.trunk.args.intermediate_size} "
                                 f"does not divide over {group.size()} ranks")
         self._compiled.clear()
+        self._native.clear()
         split = "attention heads and MLP" if attention else "MLP (attention replicated: its head counts do not divide)"
         return f"tensor parallel over {group.size()} ranks: {split}; MTP heads replicated"
 
@@ -174,14 +177,26 @@ class MiMoBackend(Backend):
 
     def _block(self, block: nn.Module, rows: mx.array, step: StepInputs, cache) -> mx.array:
         n = rows.shape[0]
-        prepare = self._step("attention_inputs", block, partial(attention_inputs, block), n)
-        q, k, v = prepare(rows, step.cos, step.sin)
+        native = self._native_block(block) if step.on_cpu and n <= ROWS_MAX else None
+        if native is not None:
+            q, k, v = native.inputs(rows, step.cos, step.sin, step.cos.shape[-2])
+        else:
+            q, k, v = self._step("attention_inputs", block, partial(attention_inputs, block), n)(rows, step.cos, step.sin)
         k, v = cache.update_and_fetch(k, v)
         if step.on_cpu:
             attended = cpu_attention(q, k, v, step.mask)  # eager: the cache length changes every step
         else:
             attended = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=step.mask)
+        if native is not None:
+            return native.output(rows, attended)
         return self._step("block_output", block, partial(block_output, block), n)(rows, attended)
+
+    def _native_block(self, block: nn.Module) -> NativeBlock | None:
+        """The block as the native module's two operations where it is one (decode_ops.py)."""
+        key = id(block)
+        if key not in self._native:
+            self._native[key] = NativeBlock.of(block)
+        return self._native[key]
 
     def _output(self, norm: nn.Module, x: mx.array, last: bool = False,
                 draft: DraftVocabulary | None = None) -> tuple[mx.array, mx.array]:

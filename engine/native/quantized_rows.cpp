@@ -409,18 +409,37 @@ void compute_columns(const Problem& p) {
   }
 }
 
-void compute(Problem p) {
-  std::vector<float> storage;
-  if (level != PORTABLE) p.x = vector_x(p.x, p.m, p.k, p.bits, storage);
-  int slices = size_t(p.m) * p.n * p.k >= PARALLEL_MIN_MACS ? helpers.size() + 1 : 1;
-  if (slices == 1) return compute_columns(p);
-  // Whole groups of 4 weight rows a slice, as the vector paths take them.
-  int per_slice = (p.n / slices + 3) / 4 * 4;
+// Products of one x by several matrices (a block's q, k and v; its gate and up), split
+// over the helper threads together: each thread takes the same share of every matrix's
+// weight rows, so the three small products of q, k and v, each under PARALLEL_MIN_MACS,
+// share the cores as one large product does. Every problem's x must be the same rows.
+void compute_all(std::vector<Problem> ps) {
+  std::vector<float> storage[2];
+  const float* prepared[2] = {nullptr, nullptr}; // x as the vector paths read it, per bit width
+  size_t macs = 0;
+  for (Problem& p : ps) {
+    macs += size_t(p.m) * p.n * p.k;
+    if (level == PORTABLE) continue;
+    const float*& x = prepared[p.bits == 4];
+    if (!x) x = vector_x(p.x, p.m, p.k, p.bits, storage[p.bits == 4]);
+    p.x = x;
+  }
+  const int slices = macs >= PARALLEL_MIN_MACS ? helpers.size() + 1 : 1;
+  if (slices == 1) {
+    for (const Problem& p : ps) compute_columns(p);
+    return;
+  }
   helpers.run([&](int slice) {
-    int j0 = std::min(p.n, slice * per_slice), j1 = slice + 1 == slices ? p.n : std::min(p.n, j0 + per_slice);
-    if (j0 < j1) compute_columns(columns(p, j0, j1));
+    for (const Problem& p : ps) {
+      // Whole groups of 4 weight rows a slice, as the vector paths take them.
+      const int per_slice = (p.n / slices + 3) / 4 * 4;
+      const int j0 = std::min(p.n, slice * per_slice), j1 = slice + 1 == slices ? p.n : std::min(p.n, j0 + per_slice);
+      if (j0 < j1) compute_columns(columns(p, j0, j1));
+    }
   });
 }
+
+void compute(const Problem& p) { compute_all({p}); }
 
 const char* level_name(Level l) {
   return l == AVX512 ? "avx512" : l == AVX2 ? "avx2" : "portable";
@@ -778,6 +797,116 @@ void attend(const Attention& a) {
   helpers.run(run);
 }
 
+// ---- a decoder block around its attention, for decode steps ---------------------------
+//
+// A step of SmolLM2 was ~1,300 of MLX's operations a token, 43 a layer: the norms, the
+// rotary embedding's slices, negations and concatenations, reshapes and transposes, the
+// residual additions, beside the seven products. Each costs MLX's dispatch on the Python
+// thread and on the CPU worker whatever its size, and on two cores the Python thread
+// (~6 ms a token) took the core the kernel's helper would have used. So a Llama-style
+// block (RMSNorm, q/k/v without biases, half-split rotary, SwiGLU MLP) is two operations
+// here: its input half (norm, q, k and v, rotary, q's scale) up to the KV cache, and its
+// output half (o, residual, norm, gate and up, SwiGLU, down, residual) after the
+// attention. The arithmetic is the unfused graph's, in float32.
+
+struct Linear {
+  const uint8_t* w;
+  const float* scales;
+  const float* biases;
+  const float* bias; // added to every output row, or null
+  int n, k, group, bits;
+
+  Problem times(const float* x, int m, float* out) const { return Problem{x, w, scales, biases, out, m, n, k, group, bits, n}; }
+
+  void add_bias(float* out, int m) const {
+    if (bias)
+      for (int r = 0; r < m; ++r)
+        for (int j = 0; j < n; ++j) out[size_t(r) * n + j] += bias[j];
+  }
+};
+
+// MLX's RMSNorm, a row at a time: x / sqrt(mean(x^2) + eps) * weight.
+void rms_norm_rows(const float* x, const float* weight, float eps, float* out, int rows, int d) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + size_t(r) * d;
+    float* o = out + size_t(r) * d;
+    const float scale = 1.0f / std::sqrt(dot(xr, xr, d) / d + eps);
+    for (int i = 0; i < d; ++i) o[i] = xr[i] * scale * weight[i];
+  }
+}
+
+struct BlockIn {
+  const float *x, *norm, *cos, *sin; // x [B * L, D] rows; cos, sin [L or B * L, head_dim]
+  Linear q, k, v;
+  float eps, scale;
+  int batch, length, heads, kv_heads, dim, rope_rows;
+  float *q_out, *k_out, *v_out; // [B, heads, L, dim] and [B, kv_heads, L, dim]
+};
+
+// Rows [B * L, heads * dim] -> [B, heads, L, dim], rotated by the half-split rotary
+// embedding (x * cos + rotate_half(x) * sin) when `rotate`, then times `scale`.
+void to_heads(const BlockIn& a, const float* rows, int heads, bool rotate, float scale, float* out) {
+  const int half = a.dim / 2;
+  for (int b = 0; b < a.batch; ++b)
+    for (int l = 0; l < a.length; ++l) {
+      const int r = b * a.length + l, at = a.rope_rows == a.length ? l : r;
+      const float *cos = a.cos + size_t(at) * a.dim, *sin = a.sin + size_t(at) * a.dim;
+      for (int h = 0; h < heads; ++h) {
+        const float* x = rows + (size_t(r) * heads + h) * a.dim;
+        float* o = out + ((size_t(b) * heads + h) * a.length + l) * a.dim;
+        if (!rotate) {
+          std::memcpy(o, x, a.dim * sizeof(float));
+          continue;
+        }
+        for (int i = 0; i < a.dim; ++i) {
+          const float turned = i < half ? -x[i + half] : x[i - half];
+          o[i] = (x[i] * cos[i] + turned * sin[i]) * scale;
+        }
+      }
+    }
+}
+
+void block_in(const BlockIn& a) {
+  const int rows = a.batch * a.length;
+  std::vector<float> normed(size_t(rows) * a.q.k), q(size_t(rows) * a.q.n), k(size_t(rows) * a.k.n), v(size_t(rows) * a.v.n);
+  rms_norm_rows(a.x, a.norm, a.eps, normed.data(), rows, a.q.k);
+  compute_all({a.q.times(normed.data(), rows, q.data()), a.k.times(normed.data(), rows, k.data()),
+               a.v.times(normed.data(), rows, v.data())});
+  a.q.add_bias(q.data(), rows), a.k.add_bias(k.data(), rows), a.v.add_bias(v.data(), rows);
+  to_heads(a, q.data(), a.heads, true, a.scale, a.q_out);
+  to_heads(a, k.data(), a.kv_heads, true, 1.0f, a.k_out);
+  to_heads(a, v.data(), a.kv_heads, false, 1.0f, a.v_out);
+}
+
+struct BlockOut {
+  const float *x, *attended, *norm; // x [B * L, D]; attended [B, heads, L, dim]
+  Linear o, gate, up, down;
+  float eps;
+  int batch, length, heads, dim;
+  float* out; // [B * L, D]
+};
+
+void block_out(const BlockOut& a) {
+  const int rows = a.batch * a.length, width = a.heads * a.dim, d = a.o.n, hidden = a.gate.n;
+  std::vector<float> joined(size_t(rows) * width), h(size_t(rows) * d), normed(size_t(rows) * d);
+  std::vector<float> gate(size_t(rows) * hidden), up(size_t(rows) * hidden);
+  for (int b = 0; b < a.batch; ++b) // [B, heads, L, dim] -> rows [B * L, heads * dim]
+    for (int head = 0; head < a.heads; ++head)
+      for (int l = 0; l < a.length; ++l)
+        std::memcpy(joined.data() + (size_t(b * a.length + l) * a.heads + head) * a.dim,
+                    a.attended + ((size_t(b) * a.heads + head) * a.length + l) * a.dim, a.dim * sizeof(float));
+  compute(a.o.times(joined.data(), rows, h.data()));
+  a.o.add_bias(h.data(), rows);
+  for (size_t i = 0; i < h.size(); ++i) h[i] += a.x[i];
+  rms_norm_rows(h.data(), a.norm, a.eps, normed.data(), rows, d);
+  compute_all({a.gate.times(normed.data(), rows, gate.data()), a.up.times(normed.data(), rows, up.data())});
+  a.gate.add_bias(gate.data(), rows), a.up.add_bias(up.data(), rows);
+  swiglu(gate.data(), up.data(), gate.data(), gate.size());
+  compute(a.down.times(gate.data(), rows, a.out));
+  a.down.add_bias(a.out, rows);
+  for (size_t i = 0; i < size_t(rows) * d; ++i) a.out[i] += h[i];
+}
+
 // ---- the k largest values of each row -------------------------------------------
 //
 // Top-p sampling seeks its cut among a row's 512 most probable tokens (engine/sampling.py);
@@ -1114,6 +1243,196 @@ void require_weights(const mx::array& w, const mx::array& scales, const mx::arra
   require(scales.shape() == groups && biases.shape() == groups, "scales and biases must be [N, K / group_size]");
 }
 
+// A block operation's products, in order: each is w, scales, biases and, where its layout
+// says so, an added bias, among the inputs from `next` on; layouts: group size, bits and
+// whether there is a bias, three ints a product.
+constexpr int LAYOUT = 3;
+
+std::vector<Linear> linears_of(const std::vector<mx::array>& arrays, const Data& data, size_t next,
+                               const std::vector<int>& layouts) {
+  std::vector<Linear> linears;
+  for (size_t i = 0; i < layouts.size(); i += LAYOUT) {
+    const int group = layouts[i], bits = layouts[i + 1];
+    const mx::array& w = arrays[next];
+    linears.push_back(Linear{static_cast<const uint8_t*>(data[next]), static_cast<const float*>(data[next + 1]),
+                             static_cast<const float*>(data[next + 2]),
+                             layouts[i + 2] ? static_cast<const float*>(data[next + 3]) : nullptr, w.shape(0),
+                             int(w.shape(1) * 32 / bits), group, bits});
+    next += layouts[i + 2] ? 4 : 3;
+  }
+  return linears;
+}
+
+// The input data of a block operation, row-major (copies kept in `copies`).
+Data row_major_data(const std::vector<mx::array>& arrays, std::vector<std::vector<uint32_t>>& copies) {
+  copies.resize(arrays.size());
+  Data data(arrays.size());
+  for (size_t i = 0; i < arrays.size(); ++i) data[i] = row_major(arrays[i], copies[i]);
+  return data;
+}
+
+// Allocates the outputs and queues task(inputs, outputs) on MLX's CPU thread.
+template <class Task>
+void dispatch_outputs(const mx::Stream& stream, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                      Task task) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  std::vector<mx::array> outs;
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+    outs.push_back(mx::array::unsafe_weak_copy(out));
+  }
+  encoder.dispatch([inputs, outs, task = std::move(task)]() mutable { task(inputs, outs); });
+}
+
+// Inputs: x, norm, cos, sin, then the weights of q, k and v (linears_of).
+class BlockInPrimitive : public CpuPrimitive {
+ public:
+  BlockInPrimitive(mx::Stream stream, float eps, float scale, int length, std::vector<int> layouts)
+      : CpuPrimitive(stream), eps_(eps), scale_(scale), length_(length), layouts_(std::move(layouts)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch_outputs(stream(), inputs, outputs, [eps = eps_, scale = scale_, length = length_, layouts = layouts_](
+                                                    const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+      std::vector<std::vector<uint32_t>> copies;
+      const Data data = row_major_data(in, copies);
+      BlockIn a{};
+      a.x = static_cast<const float*>(data[0]);
+      a.norm = static_cast<const float*>(data[1]);
+      a.cos = static_cast<const float*>(data[2]);
+      a.sin = static_cast<const float*>(data[3]);
+      const std::vector<Linear> linears = linears_of(in, data, 4, layouts);
+      a.q = linears[0], a.k = linears[1], a.v = linears[2];
+      a.eps = eps, a.scale = scale, a.length = length, a.batch = out[0].shape(0);
+      a.heads = out[0].shape(1), a.kv_heads = out[1].shape(1), a.dim = out[0].shape(3), a.rope_rows = in[2].shape(0);
+      a.q_out = out[0].data<float>(), a.k_out = out[1].data<float>(), a.v_out = out[2].data<float>();
+      block_in(a);
+    });
+  }
+
+  const char* name() const override { return "BlockIn"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const BlockInPrimitive&>(other);
+    return eps_ == o.eps_ && scale_ == o.scale_ && length_ == o.length_ && layouts_ == o.layouts_;
+  }
+
+ private:
+  float eps_, scale_;
+  int length_;
+  std::vector<int> layouts_;
+};
+
+// Inputs: x, attended, norm, then the weights of o, gate, up and down (linears_of).
+class BlockOutPrimitive : public CpuPrimitive {
+ public:
+  BlockOutPrimitive(mx::Stream stream, float eps, std::vector<int> layouts)
+      : CpuPrimitive(stream), eps_(eps), layouts_(std::move(layouts)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch_outputs(stream(), inputs, outputs, [eps = eps_, layouts = layouts_](const std::vector<mx::array>& in,
+                                                                                 std::vector<mx::array>& out) {
+      std::vector<std::vector<uint32_t>> copies;
+      const Data data = row_major_data(in, copies);
+      const mx::array& attended = in[1];
+      BlockOut a{};
+      a.x = static_cast<const float*>(data[0]);
+      a.attended = static_cast<const float*>(data[1]);
+      a.norm = static_cast<const float*>(data[2]);
+      const std::vector<Linear> linears = linears_of(in, data, 3, layouts);
+      a.o = linears[0], a.gate = linears[1], a.up = linears[2], a.down = linears[3];
+      a.eps = eps, a.batch = attended.shape(0), a.heads = attended.shape(1), a.length = attended.shape(2);
+      a.dim = attended.shape(3), a.out = out[0].data<float>();
+      block_out(a);
+    });
+  }
+
+  const char* name() const override { return "BlockOut"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const BlockOutPrimitive&>(other);
+    return eps_ == o.eps_ && layouts_ == o.layouts_;
+  }
+
+ private:
+  float eps_;
+  std::vector<int> layouts_;
+};
+
+void require_block(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("block: " + message);
+}
+
+// Each of `count` products' weights checked against its layout; returns the index of
+// each product's w in `weights`.
+std::vector<size_t> check_block_weights(const std::vector<mx::array>& weights, const std::vector<int>& layouts,
+                                        size_t count) {
+  require_block(layouts.size() == LAYOUT * count,
+                "layouts must be group size, bits and 0 or 1 (a bias follows) for each product");
+  std::vector<size_t> first;
+  size_t next = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const int group = layouts[LAYOUT * i], bits = layouts[LAYOUT * i + 1], bias = layouts[LAYOUT * i + 2];
+    require_block(next + (bias ? 4 : 3) <= weights.size(), "fewer weights than the layouts say");
+    require_weights(weights[next], weights[next + 1], weights[next + 2], group, bits);
+    if (bias)
+      require_block(weights[next + 3].dtype() == mx::float32 && weights[next + 3].shape() == mx::Shape{weights[next].shape(0)},
+                    "a bias must be float32 [N]");
+    first.push_back(next);
+    next += bias ? 4 : 3;
+  }
+  require_block(next == weights.size(), "more weights than the layouts say");
+  return first;
+}
+
+int columns_of(const mx::array& w, int bits) { return int(w.shape(1) * 32 / bits); }
+
+std::vector<mx::array> block_in_op(const mx::array& x, const mx::array& norm, float eps, const std::vector<mx::array>& weights,
+                                   const std::vector<int>& layouts, const mx::array& cos, const mx::array& sin, int heads,
+                                   int kv_heads, int length, float scale) {
+  const std::vector<size_t> at = check_block_weights(weights, layouts, 3);
+  const mx::array &wq = weights[at[0]], &wk = weights[at[1]], &wv = weights[at[2]];
+  require_block(x.dtype() == mx::float32 && x.ndim() == 2 && length > 0 && x.shape(0) % length == 0,
+                "x must be float32 rows [B * L, D]");
+  const int d = x.shape(1), batch = x.shape(0) / length;
+  for (int i = 0; i < 3; ++i)
+    require_block(columns_of(weights[at[i]], layouts[LAYOUT * i + 1]) == d, "q, k and v must take the rows' width");
+  require_block(heads > 0 && kv_heads > 0 && wq.shape(0) % heads == 0, "heads must divide q's width");
+  const int dim = wq.shape(0) / heads;
+  require_block(dim % 2 == 0 && wk.shape(0) == kv_heads * dim && wv.shape(0) == kv_heads * dim,
+                "k and v must be kv_heads x head_dim wide");
+  require_block(norm.dtype() == mx::float32 && norm.shape() == mx::Shape{d}, "norm must be float32 [D]");
+  for (const mx::array* t : {&cos, &sin})
+    require_block(t->dtype() == mx::float32 && t->ndim() == 2 && t->shape(1) == dim
+                      && (t->shape(0) == length || t->shape(0) == x.shape(0)),
+                  "cos and sin must be float32 [L or B * L, head_dim]");
+  std::vector<mx::array> inputs{x, norm, cos, sin};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  auto primitive = std::make_shared<BlockInPrimitive>(mx::default_stream(mx::Device::cpu), eps, scale, length, layouts);
+  return mx::array::make_arrays({{batch, heads, length, dim}, {batch, kv_heads, length, dim}, {batch, kv_heads, length, dim}},
+                                {mx::float32, mx::float32, mx::float32}, primitive, inputs);
+}
+
+mx::array block_out_op(const mx::array& x, const mx::array& attended, const mx::array& norm, float eps,
+                       const std::vector<mx::array>& weights, const std::vector<int>& layouts) {
+  const std::vector<size_t> at = check_block_weights(weights, layouts, 4);
+  require_block(x.dtype() == mx::float32 && x.ndim() == 2, "x must be float32 rows [B * L, D]");
+  require_block(attended.dtype() == mx::float32 && attended.ndim() == 4
+                    && attended.shape(0) * attended.shape(2) == x.shape(0),
+                "attended must be float32 [B, heads, L, head_dim] with B * L rows of x");
+  const int d = x.shape(1), width = attended.shape(1) * attended.shape(3);
+  const mx::array &wo = weights[at[0]], &wg = weights[at[1]], &wu = weights[at[2]], &wd = weights[at[3]];
+  auto columns = [&](const mx::array& w, int i) { return columns_of(w, layouts[LAYOUT * i + 1]); };
+  require_block(columns(wo, 0) == width && wo.shape(0) == d, "o must take heads x head_dim to D");
+  require_block(columns(wg, 1) == d && columns(wu, 2) == d && wg.shape(0) == wu.shape(0),
+                "gate and up must take D to one width");
+  require_block(columns(wd, 3) == wg.shape(0) && wd.shape(0) == d, "down must take that width back to D");
+  require_block(norm.dtype() == mx::float32 && norm.shape() == mx::Shape{d}, "norm must be float32 [D]");
+  std::vector<mx::array> inputs{x, attended, norm};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  auto primitive = std::make_shared<BlockOutPrimitive>(mx::default_stream(mx::Device::cpu), eps, layouts);
+  return mx::array(x.shape(), mx::float32, primitive, std::move(inputs));
+}
+
 mx::array dequantize_rows(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                           int bits) {
   require_weights(w, scales, biases, group_size, bits);
@@ -1161,6 +1480,16 @@ NB_MODULE(_mtplxd_quantized_rows, m) {
         "Attention of L new positions on the CPU: q [B, H, L, D] (already scaled), k and v [B, H_kv, T, D]\n"
         "(views welcome); mask bool [G * L, T] or [B, 1, G * L, T] (True: may attend), or causal: query l\n"
         "reads keys 0 .. T - L + l. Returns [B, H, L, D].");
+  m.def("block_in", &block_in_op, nb::arg("x"), nb::arg("norm"), nb::arg("eps"), nb::arg("weights"), nb::arg("layouts"),
+        nb::arg("cos"), nb::arg("sin"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("length"), nb::arg("scale"),
+        "A Llama-style block's input half on the CPU: rows x [B * L, D] -> RMSNorm(x, norm, eps) -> q, k, v\n"
+        "(weights: w, scales, biases and an optional bias of each; layouts: group size, bits, 1 if a bias), rotated (half-split,\n"
+        "cos and sin [L or B * L, head_dim]), q times scale. Returns q [B, heads, L, head_dim], k, v [B, kv_heads, L, head_dim].");
+  m.def("block_out", &block_out_op, nb::arg("x"), nb::arg("attended"), nb::arg("norm"), nb::arg("eps"),
+        nb::arg("weights"), nb::arg("layouts"),
+        "A Llama-style block's output half on the CPU: h = x + o(attended as rows), then\n"
+        "h + down(silu(gate(n)) * up(n)) with n = RMSNorm(h, norm, eps); weights and layouts of o, gate,\n"
+        "up and down as for block_in. Returns rows [B * L, D].");
   m.def("kernel", []() { return std::string(level_name(level)); }, "The path in use: avx512, avx2 or portable.");
   m.def("threads", []() { return helpers.size() + 1; }, "Threads a large product runs on, the caller included.");
   m.def("set_threads", [](int threads) { helpers.set_threads(threads); },

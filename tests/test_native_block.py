@@ -1,0 +1,258 @@
+"""A Llama-style decoder block as the native module's two operations (block_in, block_out in
+engine/native/quantized_rows.cpp; NativeBlock in engine/backends/decode_ops.py): on every
+path this CPU has, at 4 and 8 bits, with and without biases, for a token, a verify window
+and a batch of rows, against float64 of the dequantized weights; bit for bit on 1 to 3
+threads; their refusals; and the engine's steps through them, against the same steps in
+MLX's operations. Negative controls: the rotation turned the other way, gate and up swapped,
+the residual left out."""
+
+from __future__ import annotations
+
+import io
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+from engine import quantized_rows
+from engine.backends import decode_ops
+from engine.backends.decode_ops import NativeBlock, RopeTable
+from engine.backends.mimo import attention_inputs, block_output
+from tests.engine_helpers import restore_kernel
+from tests.floats import DOT_ULPS, PATHS_ULPS, assert_close, excess
+
+pytestmark = pytest.mark.skipif(quantized_rows.native() is None, reason="no decode kernel built (macOS: Metal's own kernels)")
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 128, 4, 2, 32, 256
+
+
+@pytest.fixture
+def kernel():
+    yield quantized_rows.native()
+    restore_kernel()
+
+
+def packed_block(bits: int, group: int, bias: bool, seed: int = 0) -> nn.Module:
+    """A random Llama block, its linear layers packed and kept for the kernel."""
+    args = llama.ModelArgs(model_type="llama", hidden_size=HIDDEN, num_hidden_layers=1, intermediate_size=MLP,
+                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5,
+                           vocab_size=64, attention_bias=bias, mlp_bias=bias)
+    mx.random.seed(seed)
+    block = llama.TransformerBlock(args)
+    # Norm weights and biases away from their initial ones and zeros, so that each counts.
+    block.update({"input_layernorm": {"weight": mx.random.uniform(0.5, 1.5, (HIDDEN,))},
+                  "post_attention_layernorm": {"weight": mx.random.uniform(0.5, 1.5, (HIDDEN,))}})
+    nn.quantize(block, group_size=group, bits=bits)
+    if bias:
+        for _, layer in block.named_modules():
+            if isinstance(layer, nn.QuantizedLinear):
+                layer.bias = mx.random.normal(layer.bias.shape) * 0.1
+    assert quantized_rows.keep_packed(block) == 7
+    mx.eval(block.parameters())
+    return block
+
+
+def linear64(layer: nn.Module, x: np.ndarray) -> np.ndarray:
+    w = np.array(mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=layer.group_size,
+                               bits=layer.bits), dtype=np.float64)
+    y = x @ w.T
+    return y + np.array(layer.bias, dtype=np.float64) if "bias" in layer else y
+
+
+def norm64(x: np.ndarray, norm: nn.Module) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + norm.eps) * np.array(norm.weight, dtype=np.float64)
+
+
+def heads64(rows: np.ndarray, batch: int, heads: int) -> np.ndarray:
+    return rows.reshape(batch, -1, heads, HEAD_DIM).transpose(0, 2, 1, 3)
+
+
+def rope64(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, turn: float = 1.0) -> np.ndarray:
+    """x [B, H, L, D]; cos, sin [B, 1, L, D] (turn -1: the rotation the other way)."""
+    half = HEAD_DIM // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + turn * rotated * sin
+
+
+def block_in64(block, x, cos, sin, batch, turn=1.0):
+    attn = block.self_attn
+    h = norm64(np.array(x, dtype=np.float64), block.input_layernorm)
+    q, k, v = (heads64(linear64(layer, h), batch, n) for layer, n in
+               ((attn.q_proj, HEADS), (attn.k_proj, KV_HEADS), (attn.v_proj, KV_HEADS)))
+    return rope64(q, cos, sin, turn) * attn.scale, rope64(k, cos, sin, turn), v
+
+
+def block_out64(block, x, attended, swapped=False, residual=True):
+    mlp = block.mlp
+    x = np.array(x, dtype=np.float64)
+    joined = np.array(attended, dtype=np.float64).transpose(0, 2, 1, 3).reshape(x.shape[0], -1)
+    h = x + linear64(block.self_attn.o_proj, joined)
+    n = norm64(h, block.post_attention_layernorm)
+    gate, up = linear64(mlp.gate_proj, n), linear64(mlp.up_proj, n)
+    if swapped:
+        gate, up = up, gate
+    out = linear64(mlp.down_proj, gate / (1 + np.exp(-gate)) * up)
+    return h + out if residual else out
+
+
+def rotary(batch: int, length: int, per_row: bool) -> tuple[mx.array, mx.array, np.ndarray, np.ndarray]:
+    """The step's cos and sin as the engine passes them ([L, D], or [B, 1, L, D] with each row
+    at its own position), and as float64 [B, 1, L, D]."""
+    table = RopeTable(nn.RoPE(HEAD_DIM, base=10000), HEAD_DIM)
+    if per_row:
+        cos, sin = table.rows(mx.array([5 + 7 * b for b in range(batch)]), length, 5 + 7 * batch)
+    else:
+        cos, sin = table.slices(9, length)
+    wide = [np.broadcast_to(np.array(t, dtype=np.float64).reshape(-1, 1, length, HEAD_DIM), (batch, 1, length, HEAD_DIM))
+            for t in (cos, sin)]
+    return cos, sin, wide[0], wide[1]
+
+
+@pytest.mark.parametrize("bits,group,bias", [(4, 32, False), (4, 64, True), (8, 32, True)])
+@pytest.mark.parametrize("batch,length,per_row", [(1, 1, False), (1, 4, False), (3, 2, True)])
+def test_block_halves_equal_float64_on_every_path(kernel, bits, group, bias, batch, length, per_row):
+    block = packed_block(bits, group, bias)
+    native = NativeBlock.of(block)
+    assert native is not None
+    x = mx.random.normal((batch * length, HIDDEN), key=mx.random.key(1))
+    attended = mx.random.normal((batch, HEADS, length, HEAD_DIM), key=mx.random.key(2))
+    cos, sin, cos64, sin64 = rotary(batch, length, per_row)
+    want_in = block_in64(block, x, cos64, sin64, batch)
+    want_out = block_out64(block, x, attended)
+    where = f"{bits}-bit, group {group}, bias {bias}, B {batch}, L {length}"
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        for got, want, what in zip(native.inputs(x, cos, sin, length), want_in, "qkv", strict=True):
+            assert got.shape == want.shape
+            assert_close(np.array(got), want, DOT_ULPS, f"block_in {what}, {name}", where)
+        assert_close(np.array(native.output(x, attended)), want_out, DOT_ULPS, f"block_out, {name}", where)
+    q, k, _ = native.inputs(x, cos, sin, length)
+    turned = block_in64(block, x, cos64, sin64, batch, turn=-1.0)
+    assert excess(np.array(q), turned[0], DOT_ULPS, "q rotated the other way") > 10
+    assert excess(np.array(k), turned[1], DOT_ULPS, "k rotated the other way") > 10
+    got = np.array(native.output(x, attended))
+    assert excess(got, block_out64(block, x, attended, swapped=True), DOT_ULPS, "gate and up swapped") > 10
+    assert excess(got, block_out64(block, x, attended, residual=False), DOT_ULPS, "no residual") > 10
+
+
+def test_helper_threads_change_nothing_in_a_block(kernel):
+    """The products of a block are split over the helper threads by weight rows (q, k and v
+    together, gate and up together): each output still computed by one thread, bit for bit.
+    16 rows: every product of this block but o is large enough to be split."""
+    block = packed_block(4, 32, True)
+    native = NativeBlock.of(block)
+    x = mx.random.normal((16, HIDDEN), key=mx.random.key(3))
+    attended = mx.random.normal((16, HEADS, 1, HEAD_DIM), key=mx.random.key(4))
+    cos, sin, _, _ = rotary(16, 1, True)
+    threads = kernel.threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            kernel.set_threads(n)
+            results.append([np.array(a) for a in (*native.inputs(x, cos, sin, 1), native.output(x, attended))])
+    finally:
+        kernel.set_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_block_operations_refuse_what_they_do_not_take(kernel):
+    block = packed_block(4, 32, False)
+    native = NativeBlock.of(block)
+    norm = block.input_layernorm
+    x = mx.zeros((2, HIDDEN))
+    cos, sin = mx.zeros((2, HEAD_DIM)), mx.zeros((2, HEAD_DIM))
+    weights = decode_ops._weights(native.into)
+    with pytest.raises(ValueError, match="layouts must be"):
+        kernel.block_in(x, norm.weight, 1e-5, weights, native.layouts_in[:-3], cos, sin, HEADS, KV_HEADS, 2, 1.0)
+    with pytest.raises(ValueError, match="more weights"):
+        kernel.block_in(x, norm.weight, 1e-5, weights + [weights[0]], native.layouts_in, cos, sin, HEADS, KV_HEADS, 2, 1.0)
+    with pytest.raises(ValueError, match="take the rows' width"):
+        kernel.block_in(mx.zeros((2, 96)), norm.weight, 1e-5, weights, native.layouts_in, cos, sin, HEADS, KV_HEADS, 2, 1.0)
+    with pytest.raises(ValueError, match="kv_heads x head_dim"):
+        kernel.block_in(x, norm.weight, 1e-5, weights, native.layouts_in, cos, sin, HEADS, 1, 2, 1.0)
+    with pytest.raises(ValueError, match="cos and sin"):
+        kernel.block_in(x, norm.weight, 1e-5, weights, native.layouts_in, cos[:, :8], sin, HEADS, KV_HEADS, 2, 1.0)
+    with pytest.raises(ValueError, match="attended must be"):
+        native.output(x, mx.zeros((1, HEADS, 3, HEAD_DIM)))
+    with pytest.raises(ValueError, match="scales and biases must be float32"):
+        bad = [w.astype(mx.float16) if i == 1 else w for i, w in enumerate(weights)]
+        kernel.block_in(x, norm.weight, 1e-5, bad, native.layouts_in, cos, sin, HEADS, KV_HEADS, 2, 1.0)
+
+
+def test_blocks_the_operations_do_not_take_stay_with_mlx(kernel):
+    """Layers not kept packed, a norm of q and k (Qwen3), another norm: MLX's operations."""
+    assert NativeBlock.of(packed_block(4, 32, False)) is not None
+    args = llama.ModelArgs(model_type="llama", hidden_size=HIDDEN, num_hidden_layers=1, intermediate_size=MLP,
+                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5, vocab_size=64)
+    assert NativeBlock.of(llama.TransformerBlock(args)) is None  # float layers
+    with_norms = packed_block(4, 32, False)
+    with_norms.self_attn.q_norm = nn.RMSNorm(HEAD_DIM)
+    assert NativeBlock.of(with_norms) is None
+    layer_norm = packed_block(4, 32, False)
+    layer_norm.input_layernorm = nn.LayerNorm(HIDDEN)
+    assert NativeBlock.of(layer_norm) is None
+
+
+def _operations(out: mx.array) -> list[str]:
+    graph = io.StringIO()
+    mx.export_to_dot(graph, out)
+    return [line.split('"')[1] for line in graph.getvalue().splitlines() if "label =" in line]
+
+
+def test_the_engine_steps_through_the_block_operations(kernel, tmp_path, monkeypatch):
+    """A MiMo checkpoint kept packed: its decode steps, verify windows and heads run each
+    block as the two operations, and give the logits MLX's operations give on the same
+    packed weights; a prompt's chunk of more than ROWS_MAX rows stays with MLX's."""
+    from engine.conversion import QuantSpec, convert_checkpoint
+    from engine.engine import Engine
+    from tests.checkpoints import write
+
+    out = convert_checkpoint(write("mimo", tmp_path / "src", mtp_heads=2), tmp_path / "out", QuantSpec(4, 32)).out
+    backend = Engine.load(out).backend
+    prompt = mx.array([[(3 + 7 * i) % 60 for i in range(90)]])
+
+    def steps() -> list[mx.array]:
+        cache, head_cache = backend.make_cache(), backend.make_head_caches()[0]
+        logits, hidden = backend.forward(prompt, cache)
+        window, window_hidden = backend.forward(mx.array([[5, 9, 11]]), cache)
+        draft, _ = backend.head(0, window_hidden, mx.array([[9, 11, 4]]), head_cache)
+        mx.eval(logits, window, draft)
+        return [logits, window, draft]
+
+    def step_operations(tokens: mx.array) -> list[str]:
+        with monkeypatch.context() as lazy:  # the whole step's graph, not the blocks after the last one started
+            lazy.setattr(mx, "async_eval", lambda *arrays: None)
+            return _operations(backend.forward(tokens, backend.make_cache())[0])
+
+    native = steps()
+    operations = step_operations(mx.array([[5]]))
+    assert operations.count("BlockIn") == operations.count("BlockOut") == len(backend.trunk.model.layers)
+    assert "SwiGLU" not in operations
+    assert "BlockIn" not in step_operations(prompt)  # 90 rows: a prompt's chunk
+
+    monkeypatch.setattr(decode_ops.NativeBlock, "of", staticmethod(lambda block: None))
+    backend._native.clear()
+    library = steps()
+    assert "BlockIn" not in step_operations(mx.array([[5]]))
+    for got, want, what in zip(native, library, ("prompt", "verify window", "draft"), strict=True):
+        assert_close(np.array(got), np.array(want), PATHS_ULPS, f"{what}: block operations against MLX's")
+
+
+def test_the_compiled_mlx_halves_agree_with_the_operations(kernel):
+    """The MLX half-block functions the operations replace (mimo.attention_inputs and
+    block_output, still used on a GPU and where a block is not one the operations take)
+    compute the same on the same packed weights."""
+    block = packed_block(4, 32, True)
+    native = NativeBlock.of(block)
+    x = mx.random.normal((2, HIDDEN), key=mx.random.key(6))
+    attended = mx.random.normal((1, HEADS, 2, HEAD_DIM), key=mx.random.key(7))
+    cos, sin, _, _ = rotary(1, 2, False)
+    for got, want in zip(native.inputs(x, cos, sin, 2), attention_inputs(block, x, cos, sin), strict=True):
+        assert_close(np.array(got), np.array(want), DOT_ULPS, "block_in against MLX's operations")
+    assert_close(np.array(native.output(x, attended)), np.array(block_output(block, x, attended)), DOT_ULPS,
+                 "block_out against MLX's operations")
+
