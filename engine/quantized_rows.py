@@ -12,8 +12,10 @@ for hundreds of rows.
 
 The same extension has the softmax engine/sampling.py uses on the CPU (sampling, and
 attention in engine/backends/decode_ops.py) and the SwiGLU activation there (MLX's CPU
-exp is several times slower), a decode step's attention, and the top values top-p seeks
-its cut among (MLX's CPU topk partitions the whole vocabulary).
+exp is several times slower), a decode step's attention, the top values top-p seeks
+its cut among (MLX's CPU topk partitions the whole vocabulary), and a Llama-style block's
+two halves around its attention (decode_ops.NativeBlock): one operation each where MLX
+took ~20.
 
 A GPU (Metal, CUDA) keeps MLX's own kernels; without the extension (no compiler at install,
 another platform) the engine unpacks as before and `describe()` says so.

@@ -177,7 +177,8 @@ class NativeBlock:
         if module is None or attn is None or mlp is None or hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return None
         layers = [getattr(attn, n, None) for n in names] + [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(type(layer) is RowsQuantizedLinear and "biases" in layer for layer in layers):
+        if not all(type(layer) is RowsQuantizedLinear and "biases" in layer and layer.scales.dtype == mx.float32
+                   for layer in layers):
             return None
         if not all(type(norm) is nn.RMSNorm and norm.weight.dtype == mx.float32 for norm in norms):
             return None
@@ -189,7 +190,7 @@ class NativeBlock:
         attn, norm = self.attention, self.norms[0]
         cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
         return self.module.block_in(rows, norm.weight, norm.eps, _weights(self.into), self.layouts_in, cos, sin,
-                                 attn.n_heads, attn.n_kv_heads, length, attn.scale)
+                                    attn.n_heads, attn.n_kv_heads, length, attn.scale)
 
     def output(self, rows: mx.array, attended: mx.array) -> mx.array:
         norm = self.norms[1]
