@@ -351,6 +351,39 @@ def test_attention_equals_float64_on_every_path(kernel, batch, heads, kv_heads, 
                   "attention, half the mask of a row flipped") > 10
 
 
+def test_a_long_cache_is_attended_in_chunks(kernel):
+    """Over ATTENTION_CHUNK (512) keys the attention is computed chunk by chunk (split over
+    the helper threads) and the chunks merged: the same as float64 on every path, bit for
+    bit on 1 to 3 threads, with a row whose whole first chunks are masked (a short row's
+    left padding in a batch beside a long one). Negative control: the merge's weights left
+    out (each chunk's softmax averaged)."""
+    rng = np.random.default_rng(3)
+    batch, heads, kv_heads, keys = 2, 4, 2, 1300
+    q = mx.array(rng.normal(0, 0.3, (batch, heads, 1, 64)).astype(np.float32))
+    k, v = (mx.array(rng.normal(0, 1, (batch, kv_heads, keys, 64)).astype(np.float32)) for _ in range(2))
+    allowed = np.ones((batch, 1, 1, keys), bool)
+    allowed[1, ..., :1100] = False  # row 1 reads its last 200 keys only: chunks 0 and 1 wholly masked
+    mask = mx.array(np.tile(allowed, (1, 1, heads // kv_heads, 1)))
+    want = attention64(q, k, v, np.broadcast_to(allowed, (batch, heads, 1, keys)))
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        assert_close(np.array(kernel.attention(q, k, v, mask)), want, DOT_ULPS, f"attention in chunks, {name}")
+    threads = kernel.threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            kernel.set_threads(n)
+            results.append(np.array(kernel.attention(q, k, v, mask)))
+    finally:
+        kernel.set_threads(threads)
+    for other in results[1:]:
+        np.testing.assert_array_equal(results[0], other)
+    chunks = [slice(0, 512), slice(512, 1024), slice(1024, keys)]
+    averaged = np.mean([attention64(q, k[:, :, part], v[:, :, part], np.ones((batch, heads, 1, part.stop - part.start), bool))
+                        for part in chunks], axis=0)
+    assert excess(results[0][:1], averaged[:1], DOT_ULPS, "chunks averaged, not merged") > 10
+
+
 @pytest.mark.parametrize("rows,n,k", [(3, 49152, 512), (2, 600, 600), (4, 1000, 1), (2, 7, 3)])
 def test_top_values_are_the_values_of_mx_topk(kernel, rows, n, k):
     """The k largest of each row, as a multiset (neither returns them in order): rows with

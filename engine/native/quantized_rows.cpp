@@ -529,7 +529,7 @@ inline __m512 exp512(__m512 x) {
 }
 
 __attribute__((target("avx512f")))
-void softmax_row512(const float* x, float* out, int n) {
+float softmax_row512(const float* x, float* out, int n) {
   __m512 top = _mm512_set1_ps(-INFINITY);
   int i = 0;
   for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + i));
@@ -548,9 +548,11 @@ void softmax_row512(const float* x, float* out, int n) {
     _mm512_mask_storeu_ps(out + i, tail, e);
     sum = _mm512_add_ps(sum, e);
   }
-  __m512 scale = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  const float total = _mm512_reduce_add_ps(sum);
+  __m512 scale = _mm512_set1_ps(1.0f / total);
   for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(out + i), scale));
   for (; i < n; ++i) out[i] *= _mm512_cvtss_f32(scale);
+  return total;
 }
 
 __attribute__((target("avx2,fma")))
@@ -566,7 +568,7 @@ inline __m256 exp256(__m256 x) {
 }
 
 __attribute__((target("avx2,fma")))
-void softmax_row256(const float* x, float* out, int n) {
+float softmax_row256(const float* x, float* out, int n) {
   __m256 top = _mm256_set1_ps(-INFINITY);
   int i = 0;
   for (; i + 8 <= n; i += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(x + i));
@@ -582,8 +584,9 @@ void softmax_row256(const float* x, float* out, int n) {
     sum = _mm256_add_ps(sum, e);
   }
   for (; i < n; ++i) tail_sum += out[i] = exp_portable(x[i] - m);
-  float scale = 1.0f / (hsum256(sum) + tail_sum);
+  const float total = hsum256(sum) + tail_sum, scale = 1.0f / total;
   for (i = 0; i < n; ++i) out[i] *= scale;
+  return total;
 }
 #endif
 
@@ -629,21 +632,23 @@ void swiglu(const float* gate, const float* x, float* out, size_t n) {
   swiglu_portable(gate, x, out, n);
 }
 
-void softmax_row_portable(const float* x, float* out, int n) {
+float softmax_row_portable(const float* x, float* out, int n) {
   float m = -INFINITY;
   double sum = 0.0;  // a long row's sum, one term at a time, would drift in float32
   for (int i = 0; i < n; ++i) m = std::max(m, x[i]);
   for (int i = 0; i < n; ++i) sum += out[i] = exp_portable(x[i] - m);
   float scale = float(1.0 / sum);
   for (int i = 0; i < n; ++i) out[i] *= scale;
+  return float(sum);
 }
 
-void softmax_row(const float* x, float* out, int n) {
+// The softmax of x[0 .. n) into out; returns the sum of exp(x - max x) it divided by.
+float softmax_row(const float* x, float* out, int n) {
 #ifdef MTPLXD_X86
   if (level == AVX512) return softmax_row512(x, out, n);
   if (level == AVX2) return softmax_row256(x, out, n);
 #endif
-  softmax_row_portable(x, out, n);
+  return softmax_row_portable(x, out, n);
 }
 
 // Rows of n scores. With `causal` > 0 the rows are attention scores of `causal` new
@@ -737,64 +742,197 @@ void add_scaled(float w, const float* x, float* y, int n) {
   add_scaled_portable(w, x, y, n);
 }
 
-// The G * L queries of one (batch row, KV head) (row g * L + l: query head kv * G + g at
-// new position l, as the mask orders them). The keys and values are read once for all of
-// them, key by key, while they sit in L1: looping over the query heads outside read the
-// whole cache once per head.
-void attend_unit(const Attention& a, int b, int kv, std::vector<float>& scores) {
+// One (batch row, KV head) unit: its G * L query rows (row g * L + l: query head kv * G + g
+// at new position l, as the mask orders them), where each row's output goes and how many
+// keys it reads.
+struct Unit {
+  const float* keys;
+  const float* values;
+  std::vector<const float*> query;
+  std::vector<const uint8_t*> allowed;
+  std::vector<float*> out;
+  std::vector<int> reads;
+};
+
+Unit unit_of(const Attention& a, int b, int kv) {
   const int group = a.heads / a.kv_heads, rows = group * a.length;
-  const float* keys = a.k + b * a.k_strides[0] + kv * a.k_strides[1];
-  const float* values = a.v + b * a.v_strides[0] + kv * a.v_strides[1];
-  scores.resize(size_t(rows) * a.keys);
-  std::vector<const float*> query(rows);
-  std::vector<const uint8_t*> allowed(rows);
-  std::vector<float*> out(rows);
-  std::vector<int> reads(rows);
+  Unit u{a.k + b * a.k_strides[0] + kv * a.k_strides[1], a.v + b * a.v_strides[0] + kv * a.v_strides[1], {}, {}, {}, {}};
   for (int i = 0; i < rows; ++i) {
     const int g = i / a.length, l = i % a.length, head = kv * group + g;
-    query[i] = a.q + b * a.q_strides[0] + head * a.q_strides[1] + l * a.q_strides[2];
-    allowed[i] = a.mask ? a.mask + b * a.mask_batch + int64_t(i) * a.keys : nullptr;
-    out[i] = a.out + ((int64_t(b) * a.heads + head) * a.length + l) * a.dim;
-    reads[i] = a.causal ? a.keys - a.length + l + 1 : a.keys;
+    u.query.push_back(a.q + b * a.q_strides[0] + head * a.q_strides[1] + l * a.q_strides[2]);
+    u.allowed.push_back(a.mask ? a.mask + b * a.mask_batch + int64_t(i) * a.keys : nullptr);
+    u.out.push_back(a.out + ((int64_t(b) * a.heads + head) * a.length + l) * a.dim);
+    u.reads.push_back(a.causal ? a.keys - a.length + l + 1 : a.keys);
   }
-  for (int t = 0; t < a.keys; ++t) {
-    const float* key = keys + t * a.k_strides[2];
-    for (int i = 0; i < rows; ++i)
-      if (t < reads[i]) scores[size_t(i) * a.keys + t] = allowed[i] && !allowed[i][t] ? -INFINITY : dot(query[i], key, a.dim);
+  return u;
+}
+
+#ifdef MTPLXD_X86
+// The dot products of one query with 16 keys (`stride` apart), as one vector: 16 partial
+// vectors, then folded pairwise (halves, quarters, pairs, neighbours) so that their 16
+// horizontal sums take 15 additions and a permutation instead of 16 reductions.
+__attribute__((target("avx512f")))
+__m512 dots16(const float* q, const float* keys, int64_t stride, int dim) {
+  __m512 p[16];
+  const __m512 q0 = _mm512_loadu_ps(q);
+  for (int k = 0; k < 16; ++k) p[k] = _mm512_mul_ps(q0, _mm512_loadu_ps(keys + k * stride));
+  for (int d = 16; d < dim; d += 16) {
+    const __m512 qd = _mm512_loadu_ps(q + d);
+    for (int k = 0; k < 16; ++k) p[k] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(keys + k * stride + d), p[k]);
   }
+  __m512 s[8], r[4], u[2];
+  for (int i = 0; i < 8; ++i) // keys 2i, 2i + 1: 8 partials each
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44), _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i) // keys 4i .. 4i + 3, one 128-bit lane each: 4 partials
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88), _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x44), _mm512_shuffle_ps(u[0], u[1], 0xEE));
+  // f[4l + j] is key 4j + l
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+
+// The scores of q against keys[0 .. n) in blocks of 16 into row; returns how many it took.
+__attribute__((target("avx512f")))
+int scores512(const float* q, const float* keys, int64_t stride, int dim, int n, float* row) {
+  int t = 0;
+  for (; t + 16 <= n; t += 16) _mm512_storeu_ps(row + t, dots16(q, keys + t * stride, stride, dim));
+  return t;
+}
+
+// out[i] = sum over t < keys of weights[i][t] * values[t], for `rows` rows (at most 4) and
+// V vectors of 16 values from d0: the rows' sums stay in registers while each value is
+// read once for all of them.
+template <int V>
+__attribute__((target("avx512f")))
+void weighted_values512(const float* const* weights, int rows, int keys, const float* values, int64_t stride, int d0,
+                        float* const* out) {
+  __m512 acc[4][V];
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < V; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int t = 0; t < keys; ++t) {
+    __m512 v[V];
+    for (int c = 0; c < V; ++c) v[c] = _mm512_loadu_ps(values + t * stride + d0 + 16 * c);
+    for (int i = 0; i < rows; ++i) {
+      const __m512 w = _mm512_set1_ps(weights[i][t]);
+      for (int c = 0; c < V; ++c) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(out[i] + d0 + 16 * c, acc[i][c]);
+}
+#endif
+
+// The scores of row i against keys t0 .. t0 + n into `row`, masked ones -inf.
+void scores_of(const Attention& a, const Unit& u, int i, int t0, int n, float* row) {
+  const float* keys = u.keys + t0 * a.k_strides[2];
+  int t = 0;
+#ifdef MTPLXD_X86
+  if (level == AVX512 && a.dim % 16 == 0) t = scores512(u.query[i], keys, a.k_strides[2], a.dim, n, row);
+#endif
+  for (; t < n; ++t) row[t] = dot(u.query[i], keys + t * a.k_strides[2], a.dim);
+  if (u.allowed[i])
+    for (t = 0; t < n; ++t)
+      if (!u.allowed[i][t0 + t]) row[t] = -INFINITY;
+}
+
+// The unit's rows against keys [t0, t1): each row's softmax over the keys it reads among
+// them, and its weighted values into out[i] (normalized over these keys); the largest
+// score into maxes[i] and the sum of exp(score - max) into sums[i] (0 where the row reads
+// none of them or all are masked: out[i] is then 0). The keys and values are read once
+// for all the rows (each key and value while it sits in L1), not once per query head.
+void attend_keys(const Attention& a, const Unit& u, int t0, int t1, float* const* out, float* maxes, float* sums,
+                 std::vector<float>& scores) {
+  const int rows = int(u.query.size()), width = t1 - t0;
+  scores.assign(size_t(rows) * width, 0.0f);
+  std::vector<const float*> weights(rows);
+  int read = 0; // the most keys any row reads here
   for (int i = 0; i < rows; ++i) {
-    float* row = scores.data() + size_t(i) * a.keys;
-    softmax_row(row, row, reads[i]);
-    std::fill(out[i], out[i] + a.dim, 0.0f);
+    float* row = scores.data() + size_t(i) * width;
+    const int n = std::clamp(u.reads[i] - t0, 0, width);
+    weights[i] = row;
+    scores_of(a, u, i, t0, n, row);
+    maxes[i] = n ? *std::max_element(row, row + n) : -INFINITY;
+    sums[i] = maxes[i] == -INFINITY ? 0.0f : softmax_row(row, row, n);
+    if (sums[i] == 0.0f) std::fill(row, row + n, 0.0f);
+    read = std::max(read, n);
   }
-  for (int t = 0; t < a.keys; ++t) {
-    const float* value = values + t * a.v_strides[2];
-    for (int i = 0; i < rows; ++i)
-      if (t < reads[i]) add_scaled(scores[size_t(i) * a.keys + t], value, out[i], a.dim);
+  const float* values = u.values + t0 * a.v_strides[2];
+#ifdef MTPLXD_X86
+  if (level == AVX512 && a.dim % 16 == 0) {
+    for (int i0 = 0; i0 < rows; i0 += 4) {
+      const int block = std::min(4, rows - i0);
+      int d0 = 0;
+      for (; d0 + 64 <= a.dim; d0 += 64) weighted_values512<4>(&weights[i0], block, read, values, a.v_strides[2], d0, &out[i0]);
+      for (; d0 < a.dim; d0 += 16) weighted_values512<1>(&weights[i0], block, read, values, a.v_strides[2], d0, &out[i0]);
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < rows; ++i) std::fill(out[i], out[i] + a.dim, 0.0f);
+  for (int t = 0; t < read; ++t)
+    for (int i = 0; i < rows; ++i) add_scaled(weights[i][t], values + t * a.v_strides[2], out[i], a.dim);
+}
+
+// A long cache is attended in chunks of keys, each a separate piece of work, so that the
+// helper thread can take half of one row's keys: one thread streams the keys and values
+// from memory at ~10 GB/s here, two at about twice that, and after 2,000 tokens a SmolLM2
+// token's attention reads 92 MB. Each chunk gives its rows' softmax over its keys; the
+// chunks are then merged in order (the flash-decoding form: weights exp(max_c - max) *
+// sum_c), so the result does not depend on how many threads took them.
+constexpr int ATTENTION_CHUNK = 512;
+
+// A step with this many multiply-adds and at least two pieces of work a thread is split over
+// the helper threads (a step of several rows by (row, KV head), a long cache by chunks too).
+// Measured on SmolLM2 (3 KV heads, 2 cores, alternated in one process): 8 rows after 300
+// tokens decoded at 186 against 165 tok/s split, and one row after 300 tokens, which has
+// three pieces, lost 10-13% when they were split 2:1 (68 against 75 tok/s).
+constexpr size_t ATTENTION_PARALLEL_MIN_MACS = size_t(1) << 20;
+
+void merge_chunks(const Attention& a, const Unit& u, int chunks, const float* partial, const float* maxes,
+                  const float* sums) {
+  const int rows = int(u.query.size());
+  for (int i = 0; i < rows; ++i) {
+    float top = -INFINITY, total = 0.0f;
+    for (int c = 0; c < chunks; ++c)
+      if (sums[c * rows + i] > 0.0f) top = std::max(top, maxes[c * rows + i]);
+    std::vector<float> weight(chunks, 0.0f);
+    for (int c = 0; c < chunks; ++c)
+      if (sums[c * rows + i] > 0.0f) total += weight[c] = sums[c * rows + i] * exp_portable(maxes[c * rows + i] - top);
+    std::fill(u.out[i], u.out[i] + a.dim, 0.0f);
+    for (int c = 0; c < chunks; ++c)
+      if (weight[c] > 0.0f) add_scaled(weight[c] / total, partial + (size_t(c) * rows + i) * a.dim, u.out[i], a.dim);
   }
 }
 
-// A step of several rows splits its attention over the helper threads like a large
-// product, each thread taking a run of (batch row, KV head) units. Measured on SmolLM2
-// (3 KV heads, 2 cores, alternated in one process): 8 rows after 300 tokens decoded at
-// 186 against 165 tok/s split, 4 rows the same either way, and one row lost 10-13%
-// (68 against 75 tok/s after 300 tokens, 49 against 55 after 1,500): a step of one row
-// is short, and its helper's wake-up and the graph-building Python thread then share
-// the cores.
-constexpr size_t ATTENTION_PARALLEL_MIN_MACS = size_t(1) << 20;
-
 void attend(const Attention& a) {
-  const int units = a.batch * a.kv_heads;
+  const int units = a.batch * a.kv_heads, rows = a.heads / a.kv_heads * a.length;
+  const int chunks = std::max(1, (a.keys + ATTENTION_CHUNK - 1) / ATTENTION_CHUNK), pieces = units * chunks;
   const size_t macs = size_t(a.batch) * a.heads * a.length * a.keys * a.dim;
   const int helpers_too = helpers.size() + 1;
-  const int threads = macs >= ATTENTION_PARALLEL_MIN_MACS && units >= 2 * helpers_too ? helpers_too : 1;
+  const int threads = macs >= ATTENTION_PARALLEL_MIN_MACS && pieces >= 2 * helpers_too ? helpers_too : 1;
+  // Chunks' results per piece: rows x dim values, then each row's max and sum.
+  std::vector<float> partial(chunks > 1 ? size_t(pieces) * rows * a.dim : 0), maxes(size_t(pieces) * rows),
+      sums(size_t(pieces) * rows);
   auto run = [&](int slice) {
     std::vector<float> scores;
-    for (int unit = slice * units / threads; unit < (slice + 1) * units / threads; ++unit)
-      attend_unit(a, unit / a.kv_heads, unit % a.kv_heads, scores);
+    std::vector<float*> out(rows);
+    for (int piece = slice * pieces / threads; piece < (slice + 1) * pieces / threads; ++piece) {
+      const int unit = piece / chunks, c = piece % chunks;
+      const Unit u = unit_of(a, unit / a.kv_heads, unit % a.kv_heads);
+      for (int i = 0; i < rows; ++i) out[i] = chunks == 1 ? u.out[i] : partial.data() + (size_t(piece) * rows + i) * a.dim;
+      attend_keys(a, u, c * ATTENTION_CHUNK, std::min(a.keys, (c + 1) * ATTENTION_CHUNK), out.data(),
+                  maxes.data() + size_t(piece) * rows, sums.data() + size_t(piece) * rows, scores);
+    }
   };
-  if (threads == 1) return run(0);
-  helpers.run(run);
+  if (threads == 1) run(0);
+  else helpers.run(run);
+  if (chunks == 1) return;
+  for (int unit = 0; unit < units; ++unit) {
+    const size_t first = size_t(unit) * chunks * rows;
+    merge_chunks(a, unit_of(a, unit / a.kv_heads, unit % a.kv_heads), chunks, partial.data() + first * a.dim,
+                 maxes.data() + first, sums.data() + first);
+  }
 }
 
 // ---- a decoder block around its attention, for decode steps ---------------------------
