@@ -884,10 +884,11 @@ constexpr int ATTENTION_CHUNK = 512;
 
 // A step with this many multiply-adds and at least two pieces of work a thread is split over
 // the helper threads (a step of several rows by (row, KV head), a long cache by chunks too).
-// Measured on SmolLM2 (3 KV heads, 2 cores, alternated in one process): 8 rows after 300
-// tokens decoded at 186 against 165 tok/s split, and one row after 300 tokens, which has
-// three pieces, lost 10-13% when they were split 2:1 (68 against 75 tok/s).
-constexpr size_t ATTENTION_PARALLEL_MIN_MACS = size_t(1) << 20;
+// Measured on SmolLM2 (3 KV heads, 2 cores, alternated): 8 rows after 300 tokens decoded at
+// 186 against 165 tok/s split, and one row after 300 tokens, which has three pieces, lost
+// 10-13% when they were split 2:1 (68 against 75 tok/s); one row in chunks gained at 2^19
+// (after 1,000 tokens 73 -> 89 tok/s, after 1,500 60 -> 69, medians of four runs against 2^20).
+constexpr size_t ATTENTION_PARALLEL_MIN_MACS = size_t(1) << 19;
 
 void merge_chunks(const Attention& a, const Unit& u, int chunks, const float* partial, const float* maxes,
                   const float* sums) {
