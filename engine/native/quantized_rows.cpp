@@ -915,12 +915,14 @@ void attend(const Attention& a) {
   // Chunks' results per piece: rows x dim values, then each row's max and sum.
   std::vector<float> partial(chunks > 1 ? size_t(pieces) * rows * a.dim : 0), maxes(size_t(pieces) * rows),
       sums(size_t(pieces) * rows);
+  std::vector<Unit> all;
+  for (int unit = 0; unit < units; ++unit) all.push_back(unit_of(a, unit / a.kv_heads, unit % a.kv_heads));
   auto run = [&](int slice) {
     std::vector<float> scores;
     std::vector<float*> out(rows);
     for (int piece = slice * pieces / threads; piece < (slice + 1) * pieces / threads; ++piece) {
       const int unit = piece / chunks, c = piece % chunks;
-      const Unit u = unit_of(a, unit / a.kv_heads, unit % a.kv_heads);
+      const Unit& u = all[unit];
       for (int i = 0; i < rows; ++i) out[i] = chunks == 1 ? u.out[i] : partial.data() + (size_t(piece) * rows + i) * a.dim;
       attend_keys(a, u, c * ATTENTION_CHUNK, std::min(a.keys, (c + 1) * ATTENTION_CHUNK), out.data(),
                   maxes.data() + size_t(piece) * rows, sums.data() + size_t(piece) * rows, scores);
@@ -931,7 +933,7 @@ void attend(const Attention& a) {
   if (chunks == 1) return;
   for (int unit = 0; unit < units; ++unit) {
     const size_t first = size_t(unit) * chunks * rows;
-    merge_chunks(a, unit_of(a, unit / a.kv_heads, unit % a.kv_heads), chunks, partial.data() + first * a.dim,
+    merge_chunks(a, all[unit], chunks, partial.data() + first * a.dim,
                  maxes.data() + first, sums.data() + first);
   }
 }
@@ -1108,6 +1110,17 @@ const T* row_major(const mx::array& a, std::vector<T>& copy) {
 // MLX's CPU thread. Their inputs are computed by earlier tasks, so the task reads them
 // (copied to row-major order where strided), and its copies of the arrays keep their
 // buffers alive until it has run.
+using Data = std::vector<const void*>;
+
+// The arrays' elements in row-major order (4-byte elements): their own buffers, or copies
+// kept in `copies` for strided ones.
+Data row_major_data(const std::vector<mx::array>& arrays, std::vector<std::vector<uint32_t>>& copies) {
+  copies.resize(arrays.size());
+  Data data(arrays.size());
+  for (size_t i = 0; i < arrays.size(); ++i) data[i] = row_major(arrays[i], copies[i]);
+  return data;
+}
+
 class CpuPrimitive : public mx::Primitive {
  public:
   using mx::Primitive::Primitive;
@@ -1117,31 +1130,30 @@ class CpuPrimitive : public mx::Primitive {
   }
 
  protected:
-  // Allocates `out` and queues task(inputs, out): a task that reads the arrays itself.
+  // Allocates the outputs and queues task(inputs, outputs): a task that reads the arrays itself.
   template <class Task>
-  void dispatch_arrays(const std::vector<mx::array>& inputs, mx::array& out, Task task) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+  void dispatch_arrays(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, Task task) {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([inputs, task = std::move(task), out = mx::array::unsafe_weak_copy(out)]() mutable {
-      task(inputs, out);
-    });
+    std::vector<mx::array> outs;
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      outs.push_back(mx::array::unsafe_weak_copy(out));
+    }
+    encoder.dispatch([inputs, outs, task = std::move(task)]() mutable { task(inputs, outs); });
   }
 
-  // Allocates `out` and queues task(the inputs' row-major data (4-byte elements), out).
+  // Allocates the one output and queues task(the inputs' row-major data, out).
   template <class Task>
-  void dispatch(const std::vector<mx::array>& inputs, mx::array& out, Task task) {
-    dispatch_arrays(inputs, out, [task = std::move(task)](const std::vector<mx::array>& arrays, mx::array& out) mutable {
-      std::vector<std::vector<uint32_t>> copies(arrays.size());
-      std::vector<const void*> data(arrays.size());
-      for (size_t i = 0; i < arrays.size(); ++i) data[i] = row_major(arrays[i], copies[i]);
-      task(data, out);
+  void dispatch(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, Task task) {
+    dispatch_arrays(inputs, outputs, [task = std::move(task)](const std::vector<mx::array>& arrays,
+                                                             std::vector<mx::array>& out) mutable {
+      std::vector<std::vector<uint32_t>> copies;
+      task(row_major_data(arrays, copies), out[0]);
     });
   }
 };
-
-using Data = std::vector<const void*>;
 
 class QuantizedRows : public CpuPrimitive {
  public:
@@ -1150,7 +1162,7 @@ class QuantizedRows : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     int k = inputs[0].shape(-1), n = inputs[1].shape(0);
     Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, int(inputs[0].size() / k), n, k, group_, bits_, n};
-    dispatch(inputs, outputs[0], [p](const Data& data, mx::array& out) mutable {
+    dispatch(inputs, outputs, [p](const Data& data, mx::array& out) mutable {
       p.x = static_cast<const float*>(data[0]);
       p.w = static_cast<const uint8_t*>(data[1]);
       p.scales = static_cast<const float*>(data[2]);
@@ -1183,7 +1195,7 @@ class Dequantize : public CpuPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, 0, outputs[0].shape(0), outputs[0].shape(1), group_, bits_, 0};
-    dispatch(inputs, outputs[0], [p](const Data& data, mx::array& out) mutable {
+    dispatch(inputs, outputs, [p](const Data& data, mx::array& out) mutable {
       p.w = static_cast<const uint8_t*>(data[0]);
       p.scales = static_cast<const float*>(data[1]);
       p.biases = static_cast<const float*>(data[2]);
@@ -1209,7 +1221,7 @@ class SwiGLU : public CpuPrimitive {
   explicit SwiGLU(mx::Stream stream) : CpuPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch(inputs, outputs[0], [](const Data& data, mx::array& out) {
+    dispatch(inputs, outputs, [](const Data& data, mx::array& out) {
       swiglu(static_cast<const float*>(data[0]), static_cast<const float*>(data[1]), out.data<float>(), out.size());
     });
   }
@@ -1233,7 +1245,7 @@ class Softmax : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     int n = inputs[0].shape(-1);
     size_t rows = n ? inputs[0].size() / n : 0;
-    dispatch(inputs, outputs[0], [n, rows, causal = causal_, offset = offset_](const Data& data, mx::array& out) {
+    dispatch(inputs, outputs, [n, rows, causal = causal_, offset = offset_](const Data& data, mx::array& out) {
       softmax_rows(static_cast<const float*>(data[0]), out.data<float>(), rows, n, causal, offset);
     });
   }
@@ -1265,7 +1277,7 @@ class TopValues : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const int n = inputs[0].shape(-1);
     const size_t rows = inputs[0].size() / n;
-    dispatch(inputs, outputs[0], [n, rows, k = k_](const Data& data, mx::array& out) {
+    dispatch(inputs, outputs, [n, rows, k = k_](const Data& data, mx::array& out) {
       std::vector<float> boundary;
       for (size_t r = 0; r < rows; ++r)
         top_values_row(static_cast<const float*>(data[0]) + r * n, n, k, out.data<float>() + r * k, boundary);
@@ -1313,7 +1325,8 @@ class AttentionPrimitive : public CpuPrimitive {
   AttentionPrimitive(mx::Stream stream, bool causal) : CpuPrimitive(stream), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch_arrays(inputs, outputs[0], [causal = causal_](const std::vector<mx::array>& in, mx::array& out) {
+    dispatch_arrays(inputs, outputs, [causal = causal_](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+      mx::array& out = outs[0];
       const mx::array &q = in[0], &k = in[1];
       std::vector<float> copies[3];
       std::vector<uint8_t> mask_copy;
@@ -1402,29 +1415,6 @@ std::vector<Linear> linears_of(const std::vector<mx::array>& arrays, const Data&
   return linears;
 }
 
-// The input data of a block operation, row-major (copies kept in `copies`).
-Data row_major_data(const std::vector<mx::array>& arrays, std::vector<std::vector<uint32_t>>& copies) {
-  copies.resize(arrays.size());
-  Data data(arrays.size());
-  for (size_t i = 0; i < arrays.size(); ++i) data[i] = row_major(arrays[i], copies[i]);
-  return data;
-}
-
-// Allocates the outputs and queues task(inputs, outputs) on MLX's CPU thread.
-template <class Task>
-void dispatch_outputs(const mx::Stream& stream, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
-                      Task task) {
-  auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  std::vector<mx::array> outs;
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    encoder.set_output_array(out);
-    outs.push_back(mx::array::unsafe_weak_copy(out));
-  }
-  encoder.dispatch([inputs, outs, task = std::move(task)]() mutable { task(inputs, outs); });
-}
-
 // Inputs: x, norm, cos, sin, then the weights of q, k and v (linears_of).
 class BlockInPrimitive : public CpuPrimitive {
  public:
@@ -1432,7 +1422,7 @@ class BlockInPrimitive : public CpuPrimitive {
       : CpuPrimitive(stream), eps_(eps), scale_(scale), length_(length), layouts_(std::move(layouts)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch_outputs(stream(), inputs, outputs, [eps = eps_, scale = scale_, length = length_, layouts = layouts_](
+    dispatch_arrays(inputs, outputs, [eps = eps_, scale = scale_, length = length_, layouts = layouts_](
                                                     const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       std::vector<std::vector<uint32_t>> copies;
       const Data data = row_major_data(in, copies);
@@ -1469,7 +1459,7 @@ class BlockOutPrimitive : public CpuPrimitive {
       : CpuPrimitive(stream), eps_(eps), layouts_(std::move(layouts)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch_outputs(stream(), inputs, outputs, [eps = eps_, layouts = layouts_](const std::vector<mx::array>& in,
+    dispatch_arrays(inputs, outputs, [eps = eps_, layouts = layouts_](const std::vector<mx::array>& in,
                                                                                  std::vector<mx::array>& out) {
       std::vector<std::vector<uint32_t>> copies;
       const Data data = row_major_data(in, copies);
