@@ -66,8 +66,9 @@ def attach_heads(folder: Path, heads: ShippedHeads) -> dict[str, Any]:
     """Turn the AR-only model folder into one with these MTP heads; returns the new config."""
     import mlx.core as mx
 
+    from engine.backends.mimo import mimo_config
     from engine.checkpoint import read_config, weight_keys
-    from engine.training.heads import ZERO_BIAS, mimo_config
+    from engine.training.heads import ZERO_BIAS
     from engine.training.model import save_safetensors, write_json
 
     config, biases = mimo_config(read_config(folder), set(weight_keys(folder)), heads.count)

@@ -1,22 +1,30 @@
 """The plain backend (any mlx-lm architecture without MTP heads) reads its config as the
 MTP families do: transformers 5 and mlx-lm save non-finite floats tagged,
-{"__float__": "Infinity"}, since JSON has none; the model gets the floats."""
+{"__float__": "Infinity"}, since JSON has none; the model gets the floats. A Llama or
+Qwen2 trunk decodes in MiMo's layout (MiMo's backend, no heads) with mlx-lm's logits."""
 
 from __future__ import annotations
 
+import importlib
 import math
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
 
 from engine.backends import plain
-from tests.gguf_fixtures import tiny_model
+from engine.backends.mimo import MiMoBackend
+from tests.floats import PATHS_ULPS, assert_close, excess
+from tests.gguf_fixtures import TinyModel, tiny_model
+
+LAYOUT_ULPS = PATHS_ULPS  # the same sums in another order (a prompt's rows, then one a step)
 
 TAGGED_SCALING = {"type": "linear", "factor": 1.0,  # a scale of 1: the rope is unchanged
                   "upper": {"__float__": "Infinity"}, "lower": {"__float__": "-Infinity"}, "unset": {"__float__": "NaN"}}
 
 
-def backend(config: dict) -> plain.PlainBackend:
+def backend(config: dict):
     model = tiny_model("llama")
     weights = {name: mx.array(w) for name, w in model.weights.items()}
     return plain.load(Path("unused"), {**model.config, **config}, weights)
@@ -33,6 +41,45 @@ def test_a_tagged_config_gives_the_same_model():
     untagged = {"rope_scaling": {"type": "linear", "factor": 1.0, "upper": math.inf, "lower": -math.inf,
                                  "unset": math.nan}}
     tokens = mx.array([[1, 5, 9, 3]])
-    tagged_logits, _ = backend({"rope_scaling": TAGGED_SCALING}).forward(tokens, None)
-    plain_logits, _ = backend(untagged).forward(tokens, None)
+    tagged, plain_ = backend({"rope_scaling": TAGGED_SCALING}), backend(untagged)
+    tagged_logits, _ = tagged.forward(tokens, tagged.make_cache())
+    plain_logits, _ = plain_.forward(tokens, plain_.make_cache())
     assert mx.array_equal(tagged_logits, plain_logits).item()
+
+
+def reference_logits(model: TinyModel, tokens: mx.array, **change) -> mx.array:
+    """mlx-lm's own model of the architecture (with `change` to its config), all positions."""
+    module = importlib.import_module(f"mlx_lm.models.{model.config['model_type']}")
+    reference = module.Model(module.ModelArgs.from_dict({**model.config, **change}))
+    reference.load_weights([(name, mx.array(w)) for name, w in model.weights.items()], strict=True)
+    return reference(tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_llama_or_qwen2_trunk_decodes_in_mimo_layout_with_the_same_logits(arch):
+    model = tiny_model(arch)
+    loaded = plain.load(Path("unused"), model.config, {name: mx.array(w) for name, w in model.weights.items()})
+    assert isinstance(loaded, MiMoBackend) and loaded.n_heads == 0 and loaded.family == arch
+    tokens = mx.array([[1, 5, 9, 3, 7, 2, 11, 4]])
+    want = reference_logits(model, tokens)
+    cache = loaded.make_cache()
+    prompt, _ = loaded.forward(tokens[:, :6], cache)  # a prompt, then a token at a time through the cache
+    steps = [loaded.forward(tokens[:, i : i + 1], cache)[0] for i in (6, 7)]
+    got = mx.concatenate([prompt, *steps], axis=1)
+    assert_close(got, want, ulps=LAYOUT_ULPS, what=f"{arch} in MiMo's layout")
+    # Negative control: the rotation the other way round is outside the bound.
+    assert excess(got, reference_logits(model, tokens, rope_traditional=True), LAYOUT_ULPS,
+                  what=f"{arch} against an interleaved rotary") > 1
+
+
+@pytest.mark.parametrize("arch, change", [("qwen3", {}), ("llama", {"attention_bias": True})])
+def test_a_trunk_mimo_layout_cannot_hold_stays_on_mlx_lms_model(arch, change):
+    model = tiny_model(arch)
+    config = {**model.config, **change}
+    weights = {name: mx.array(w) for name, w in model.weights.items()}
+    if change:  # mlx-lm's Llama with attention biases has them
+        module = importlib.import_module("mlx_lm.models.llama")
+        shapes = tree_flatten(module.Model(module.ModelArgs.from_dict(config)).parameters())
+        weights.update({name: mx.zeros(p.shape) for name, p in shapes if name not in weights})
+    loaded = plain.load(Path("unused"), config, weights)
+    assert isinstance(loaded, plain.PlainBackend) and loaded.family == model.config["model_type"]

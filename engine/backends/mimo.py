@@ -24,13 +24,18 @@ import mlx.nn as nn
 from mlx_lm.models import mimo
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
+from engine.backends.base import Backend, Tape, build_trunk, load_head_weights, untagged
+from engine.backends.descriptors import mlx_model_type
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY, DraftVocabulary
 from engine.backends.decode_ops import Causal, NativeBlock, RopeTable, apply_rope, cpu_attention, swiglu
+from engine.checkpoint import CheckpointError
 from engine.distributed import ShardingError, shard_attention, shard_mlp
 from engine.quantized_rows import ROWS_MAX
 
 HEAD_PREFIX = "model.mtp_layers."
+# The trunks MiMo's layout expresses: its own, Qwen2's, and Llama-style ones given zero
+# q/k/v biases (mimo_config).
+CONVERTIBLE = ("mimo", "qwen2", "llama")
 # Steps of at most this many tokens (decode steps, verify windows, drafts) run
 # through mx.compile'd block functions, traced once per shape; longer prefill
 # chunks run the same functions eagerly.
@@ -249,3 +254,66 @@ def load(folder: Path, config: dict, weights: dict) -> MiMoBackend:
         load_head_weights(head, weights, f"{HEAD_PREFIX}{i}.")
         heads.append(head)
     return MiMoBackend(cast(mimo.Model, trunk), heads, draft_ids if heads else None)
+
+
+# -- other trunks in MiMo's layout --------------------------------------------------
+
+
+def mimo_config(config: dict, keys: set[str], heads: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """The MiMo config for a MiMo / Qwen2 / Llama-style trunk, and the zero
+    biases (name -> shape) a Llama-style trunk needs. Raises CheckpointError
+    for trunks MiMo's layout cannot express."""
+    kind = mlx_model_type(config)
+    if kind not in CONVERTIBLE:
+        raise CheckpointError(f"model_type {config.get('model_type')!r}: new heads are MiMo-style, for MiMo, "
+                              f"Qwen2 and Llama-style dense trunks (a checkpoint of an MTP family that has "
+                              f"its own heads can distil them further with --replace-heads)")
+    if isinstance(config.get("text_config"), dict):
+        raise CheckpointError("nested text_config (a multimodal checkpoint) is not supported")
+    d, n_heads = config["hidden_size"], config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_heads
+    head_dim = d // n_heads
+    if config.get("head_dim") not in (None, head_dim):
+        raise CheckpointError(f"head_dim {config['head_dim']} != hidden_size / num_attention_heads: "
+                              "not expressible in MiMo's layout")
+    for flag in ("mlp_bias", "attention_bias"):
+        if kind == "llama" and config.get(flag):
+            raise CheckpointError(f"{flag}=true: not expressible in MiMo's layout")
+    if any(t != "full_attention" for t in config.get("layer_types") or ()) or (
+        kind == "llama" and config.get("sliding_window")
+    ):
+        raise CheckpointError("sliding-window attention layers are not supported")
+    new = dict(config)
+    new.update(_as_loaded(config, kind))
+    new.update({"model_type": "mimo", "architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": heads})
+    new.pop("auto_map", None)
+    if kind != "mimo":
+        new["mtplxd_converted_from"] = config.get("model_type")
+    biases: dict[str, tuple[int, ...]] = {}
+    for i in range(config["num_hidden_layers"]):
+        for proj, rows in (("q_proj", n_heads * head_dim), ("k_proj", n_kv * head_dim), ("v_proj", n_kv * head_dim)):
+            name = f"model.layers.{i}.self_attn.{proj}.bias"
+            if name not in keys:
+                biases[name] = (rows,)
+    if biases:
+        new.pop("attention_bias", None)  # the converted trunk has (zero) q/k/v biases
+    return new, biases
+
+
+# Fields of mlx-lm's MiMo ModelArgs that shape the trunk's computation.
+_TRUNK_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+                 "rope_theta", "rope_traditional", "rope_scaling", "tie_word_embeddings")
+
+
+def _as_loaded(config: dict, kind: str) -> dict:
+    """The trunk fields as mlx-lm resolves them for the source's own model
+    class (its defaults differ between families: rope_theta, tied
+    embeddings), written out so the MiMo class computes the same trunk the
+    heads were trained against."""
+    import importlib
+
+    args = importlib.import_module(f"mlx_lm.models.{kind}").ModelArgs.from_dict(config)
+    values = {f: getattr(args, f, None) for f in _TRUNK_FIELDS}
+    values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
+    return {k: v for k, v in values.items() if v is not None}

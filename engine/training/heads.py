@@ -54,9 +54,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from engine.backends.base import Backend
-from engine.backends.descriptors import InspectReport, head_key_predicate, inspect_checkpoint, mlx_model_type
+from engine.backends.descriptors import InspectReport, head_key_predicate, inspect_checkpoint
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY
-from engine.backends.mimo import HEAD_PREFIX, MiMoBackend
+from engine.backends.mimo import HEAD_PREFIX, MiMoBackend, mimo_config
 from engine.checkpoint import (
     CheckpointError, read_config, read_header, text_config, weight_keys, write_safetensors_subset,
 )
@@ -77,7 +77,6 @@ from engine.training.trunk_cache import (
 
 SIDECAR = HEADS_FILE  # mtp.safetensors, where the loader and `mtplxd convert` keep heads
 ZERO_BIAS = "model-zero-bias.safetensors"
-CONVERTIBLE = ("mimo", "qwen2", "llama")
 _DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 _INDEX = "model.safetensors.index.json"
 
@@ -118,66 +117,6 @@ class HeadsSettings:
     # and `continued` windows of which the trunk writes the second half itself: greedy
     # continuations of corpus text ending at a line break (trunk_cache.continued_outputs)
     continued: int = 0
-
-
-def mimo_config(config: dict, keys: set[str], heads: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
-    """The MiMo config for a MiMo / Qwen2 / Llama-style trunk, and the zero
-    biases (name -> shape) a Llama-style trunk needs. Raises CheckpointError
-    for trunks MiMo's layout cannot express."""
-    kind = mlx_model_type(config)
-    if kind not in CONVERTIBLE:
-        raise CheckpointError(f"model_type {config.get('model_type')!r}: new heads are MiMo-style, for MiMo, "
-                              f"Qwen2 and Llama-style dense trunks (a checkpoint of an MTP family that has "
-                              f"its own heads can distil them further with --replace-heads)")
-    if isinstance(config.get("text_config"), dict):
-        raise CheckpointError("nested text_config (a multimodal checkpoint) is not supported")
-    d, n_heads = config["hidden_size"], config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = d // n_heads
-    if config.get("head_dim") not in (None, head_dim):
-        raise CheckpointError(f"head_dim {config['head_dim']} != hidden_size / num_attention_heads: "
-                              "not expressible in MiMo's layout")
-    for flag in ("mlp_bias", "attention_bias"):
-        if kind == "llama" and config.get(flag):
-            raise CheckpointError(f"{flag}=true: not expressible in MiMo's layout")
-    if any(t != "full_attention" for t in config.get("layer_types") or ()) or (
-        kind == "llama" and config.get("sliding_window")
-    ):
-        raise CheckpointError("sliding-window attention layers are not supported")
-    new = dict(config)
-    new.update(_as_loaded(config, kind))
-    new.update({"model_type": "mimo", "architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": heads})
-    new.pop("auto_map", None)
-    if kind != "mimo":
-        new["mtplxd_converted_from"] = config.get("model_type")
-    biases: dict[str, tuple[int, ...]] = {}
-    for i in range(config["num_hidden_layers"]):
-        for proj, rows in (("q_proj", n_heads * head_dim), ("k_proj", n_kv * head_dim), ("v_proj", n_kv * head_dim)):
-            name = f"model.layers.{i}.self_attn.{proj}.bias"
-            if name not in keys:
-                biases[name] = (rows,)
-    if biases:
-        new.pop("attention_bias", None)  # the converted trunk has (zero) q/k/v biases
-    return new, biases
-
-
-# Fields of mlx-lm's MiMo ModelArgs that shape the trunk's computation.
-_TRUNK_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "rms_norm_eps", "vocab_size", "max_position_embeddings",
-                 "rope_theta", "rope_traditional", "rope_scaling", "tie_word_embeddings")
-
-
-def _as_loaded(config: dict, kind: str) -> dict:
-    """The trunk fields as mlx-lm resolves them for the source's own model
-    class (its defaults differ between families: rope_theta, tied
-    embeddings), written out so the MiMo class computes the same trunk the
-    heads were trained against."""
-    import importlib
-
-    args = importlib.import_module(f"mlx_lm.models.{kind}").ModelArgs.from_dict(config)
-    values = {f: getattr(args, f, None) for f in _TRUNK_FIELDS}
-    values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
-    return {k: v for k, v in values.items() if v is not None}
 
 
 def prepare_output(src: Path, out: Path, heads: int, replace: bool = False) -> tuple[dict, mx.Dtype]:
