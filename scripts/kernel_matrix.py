@@ -28,7 +28,7 @@ ENGINE_TESTS = [
     "tests/test_backends_nemotron_h.py", "tests/test_backends_deepseek_v4.py",
     "tests/test_decode_path.py", "tests/test_session_bank.py", "tests/test_models.py",
     "tests/test_speculative.py", "tests/test_engine_exactness.py", "tests/test_train.py", "tests/test_batch.py",
-    "tests/test_quantized_rows.py", "tests/test_draft_vocab.py",
+    "tests/test_quantized_rows.py", "tests/test_draft_vocab.py", "tests/test_plain_backend.py",
 ]
 
 UNSET = None

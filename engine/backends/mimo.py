@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models import mimo
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from engine.backends.base import Backend, Tape, build_trunk, load_head_weights, untagged
+from engine.backends.base import Backend, Tape, build_trunk, load_head_weights
 from engine.backends.descriptors import mlx_model_type
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY, DraftVocabulary
 from engine.backends.decode_ops import Causal, NativeBlock, RopeTable, apply_rope, cpu_attention, swiglu
