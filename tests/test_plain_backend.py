@@ -1,7 +1,7 @@
 """The plain backend (any mlx-lm architecture without MTP heads) reads its config as the
 MTP families do: transformers 5 and mlx-lm save non-finite floats tagged,
 {"__float__": "Infinity"}, since JSON has none; the model gets the floats. A Llama or
-Qwen2 trunk decodes in MiMo's layout (MiMo's backend, no heads) with mlx-lm's logits."""
+Qwen2 or Qwen3 trunk decodes on MiMo's backend's path (no heads) with mlx-lm's logits."""
 
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 from engine.backends import plain
 from engine.backends.mimo import MiMoBackend
 from tests.floats import PATHS_ULPS, assert_close, excess
 from tests.gguf_fixtures import TinyModel, tiny_model
 
-LAYOUT_ULPS = PATHS_ULPS  # the same sums in another order (a prompt's rows, then one a step)
 
 TAGGED_SCALING = {"type": "linear", "factor": 1.0,  # a scale of 1: the rope is unchanged
                   "upper": {"__float__": "Infinity"}, "lower": {"__float__": "-Infinity"}, "unset": {"__float__": "NaN"}}
@@ -55,8 +53,8 @@ def reference_logits(model: TinyModel, tokens: mx.array, **change) -> mx.array:
     return reference(tokens)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_llama_or_qwen2_trunk_decodes_in_mimo_layout_with_the_same_logits(arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_llama_style_trunk_decodes_on_mimos_path_with_the_same_logits(arch):
     model = tiny_model(arch)
     loaded = plain.load(Path("unused"), model.config, {name: mx.array(w) for name, w in model.weights.items()})
     assert isinstance(loaded, MiMoBackend) and loaded.n_heads == 0 and loaded.family == arch
@@ -66,20 +64,30 @@ def test_a_llama_or_qwen2_trunk_decodes_in_mimo_layout_with_the_same_logits(arch
     prompt, _ = loaded.forward(tokens[:, :6], cache)  # a prompt, then a token at a time through the cache
     steps = [loaded.forward(tokens[:, i : i + 1], cache)[0] for i in (6, 7)]
     got = mx.concatenate([prompt, *steps], axis=1)
-    assert_close(got, want, ulps=LAYOUT_ULPS, what=f"{arch} in MiMo's layout")
-    # Negative control: the rotation the other way round is outside the bound.
-    assert excess(got, reference_logits(model, tokens, rope_traditional=True), LAYOUT_ULPS,
-                  what=f"{arch} against an interleaved rotary") > 1
+    assert_close(got, want, ulps=PATHS_ULPS, what=f"{arch} on MiMo's path")
+    # Negative control: the rotary at another base (its frequencies a quarter) is outside the bound.
+    other_base = 4 * importlib.import_module(f"mlx_lm.models.{arch}").ModelArgs.from_dict(model.config).rope_theta
+    assert excess(got, reference_logits(model, tokens, rope_theta=other_base), PATHS_ULPS,
+                  what=f"{arch} against another rotary base") > 1
 
 
-@pytest.mark.parametrize("arch, change", [("qwen3", {}), ("llama", {"attention_bias": True})])
-def test_a_trunk_mimo_layout_cannot_hold_stays_on_mlx_lms_model(arch, change):
+def test_qwen3s_head_norms_are_applied():
+    """Negative control for Qwen3's per-head q/k norms: the same weights without them are outside the bound."""
+    model = tiny_model("qwen3")
+    loaded = plain.load(Path("unused"), model.config, {name: mx.array(w) for name, w in model.weights.items()})
+    tokens = mx.array([[1, 5, 9, 3, 7, 2]])
+    want, _ = loaded.forward(tokens, loaded.make_cache())
+    for block in loaded.trunk.model.layers:
+        del block.self_attn.q_norm, block.self_attn.k_norm
+    got, _ = MiMoBackend(loaded.trunk, []).forward(tokens, loaded.make_cache())
+    assert excess(got, want, PATHS_ULPS, what="qwen3 without its head norms") > 1
+
+
+@pytest.mark.parametrize("arch, change", [("gemma3", {}), ("llama", {"layer_types": ["sliding_attention",
+                                                                                    "full_attention"],
+                                                                     "sliding_window": 4})])
+def test_other_trunks_stay_on_mlx_lms_model(arch, change):
     model = tiny_model(arch)
     config = {**model.config, **change}
-    weights = {name: mx.array(w) for name, w in model.weights.items()}
-    if change:  # mlx-lm's Llama with attention biases has them
-        module = importlib.import_module("mlx_lm.models.llama")
-        shapes = tree_flatten(module.Model(module.ModelArgs.from_dict(config)).parameters())
-        weights.update({name: mx.zeros(p.shape) for name, p in shapes if name not in weights})
-    loaded = plain.load(Path("unused"), config, weights)
+    loaded = plain.load(Path("unused"), config, {name: mx.array(w) for name, w in model.weights.items()})
     assert isinstance(loaded, plain.PlainBackend) and loaded.family == model.config["model_type"]

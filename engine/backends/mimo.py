@@ -9,6 +9,11 @@ Head i (drafting depth i+1) on the pair (hidden_t, token_{t+1}):
 MiMo puts the hidden state first in the concat (DeepSeek and Qwen put the
 embedding first). The trunk's hidden is its final-normed output, the same
 vector its LM head reads.
+
+The decode path here (a block split around the KV cache, the rotary from a table,
+the native attention and block operations on the CPU) serves any Llama-style trunk:
+AR-only Llama, Qwen2 and Qwen3 models run through this backend with no heads, their
+trunk mlx-lm's own model (engine/backends/plain.py).
 """
 
 from __future__ import annotations
@@ -93,11 +98,13 @@ def attention_inputs(block: nn.Module, x: mx.array, cos: mx.array, sin: mx.array
     batch = x.shape[0] // length
     h = block.input_layernorm(x)
 
-    def split(projection: nn.Module, heads: int) -> mx.array:
-        return projection(h).reshape(batch, length, heads, -1).transpose(0, 2, 1, 3)
+    def split(projection: nn.Module, heads: int, norm: nn.Module | None = None) -> mx.array:
+        x = projection(h).reshape(batch, length, heads, -1)
+        return (x if norm is None else norm(x)).transpose(0, 2, 1, 3)
 
-    q = apply_rope(split(attn.q_proj, attn.n_heads), cos, sin) * attn.scale
-    k = apply_rope(split(attn.k_proj, attn.n_kv_heads), cos, sin)
+    # Qwen3's blocks (engine/backends/plain.py) norm each head of q and k before the rotary.
+    q = apply_rope(split(attn.q_proj, attn.n_heads, getattr(attn, "q_norm", None)), cos, sin) * attn.scale
+    k = apply_rope(split(attn.k_proj, attn.n_kv_heads, getattr(attn, "k_norm", None)), cos, sin)
     return q, k, split(attn.v_proj, attn.n_kv_heads)
 
 
@@ -118,7 +125,7 @@ class MiMoBackend(Backend):
         self.draft_vocab = DraftVocabulary(draft_ids, trunk.args.vocab_size) if draft_ids is not None else None
         args = trunk.args
         rope = trunk.model.layers[0].self_attn.rope
-        head_dim = args.hidden_size // args.num_attention_heads
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
         self.rope = RopeTable(rope, head_dim) if RopeTable.supports(rope) else None
         self.group = args.num_attention_heads // args.num_key_value_heads
         self._compiled: dict[tuple[str, int], Callable] = {}
