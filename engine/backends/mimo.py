@@ -119,7 +119,8 @@ class MiMoBackend(Backend):
     family = "mimo"
     packable_heads = True
 
-    def __init__(self, trunk: mimo.Model, heads: list[MTPLayer], draft_ids: mx.array | None = None):
+    def __init__(self, trunk: nn.Module, heads: list[MTPLayer], draft_ids: mx.array | None = None):
+        """`trunk`: mlx-lm's MiMo model, or a Llama, Qwen2 or Qwen3 one without heads (plain.py)."""
         super().__init__(trunk, cast("list[nn.Module]", heads))
         # Heads trained against a draft vocabulary score only its rows (draft_vocab.py).
         self.draft_vocab = DraftVocabulary(draft_ids, trunk.args.vocab_size) if draft_ids is not None else None
