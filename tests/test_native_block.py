@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen3
 
 from engine import quantized_rows
 from engine.backends import decode_ops
@@ -76,11 +76,13 @@ def rope64(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, turn: float = 1.0) -
     return x * cos + turn * rotated * sin
 
 
-def block_in64(block, x, cos, sin, batch, turn=1.0):
+def block_in64(block, x, cos, sin, batch, turn=1.0, head_norms=True):
     attn = block.self_attn
     h = norm64(np.array(x, dtype=np.float64), block.input_layernorm)
     q, k, v = (heads64(linear64(layer, h), batch, n) for layer, n in
                ((attn.q_proj, HEADS), (attn.k_proj, KV_HEADS), (attn.v_proj, KV_HEADS)))
+    if head_norms and "q_norm" in attn:  # Qwen3: each head of q and k normed before the rotary
+        q, k = norm64(q, attn.q_norm), norm64(k, attn.k_norm)
     return rope64(q, cos, sin, turn) * attn.scale, rope64(k, cos, sin, turn), v
 
 
@@ -137,6 +139,41 @@ def test_block_halves_equal_float64_on_every_path(kernel, bits, group, bias, bat
     assert excess(got, block_out64(block, x, attended, residual=False), DOT_ULPS, "no residual") > 10
 
 
+def packed_qwen3_block(seed: int = 0) -> nn.Module:
+    """A random Qwen3 block (per-head RMSNorms of q and k, head_dim set apart from the width),
+    packed as `packed_block`'s, its head norms' weights away from 1."""
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=HIDDEN, num_hidden_layers=1, intermediate_size=MLP,
+                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-6, vocab_size=64,
+                           head_dim=HEAD_DIM, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True)
+    mx.random.seed(seed)
+    block = qwen3.TransformerBlock(args)
+    block.update({name: {"weight": mx.random.uniform(0.5, 1.5, (size,))} for name, size in
+                  (("input_layernorm", HIDDEN), ("post_attention_layernorm", HIDDEN))})
+    block.self_attn.update({name: {"weight": mx.random.uniform(0.5, 1.5, (HEAD_DIM,))} for name in ("q_norm", "k_norm")})
+    nn.quantize(block, group_size=32, bits=4)
+    assert quantized_rows.keep_packed(block) == 7
+    mx.eval(block.parameters())
+    return block
+
+
+@pytest.mark.parametrize("batch,length,per_row", [(1, 1, False), (3, 2, True)])
+def test_qwen3s_head_norms_in_block_in_equal_float64_on_every_path(kernel, batch, length, per_row):
+    block = packed_qwen3_block()
+    native = NativeBlock.of(block)
+    assert native is not None
+    x = mx.random.normal((batch * length, HIDDEN), key=mx.random.key(1))
+    cos, sin, cos64, sin64 = rotary(batch, length, per_row)
+    want = block_in64(block, x, cos64, sin64, batch)
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        for got, wanted, what in zip(native.inputs(x, cos, sin, length), want, "qkv", strict=True):
+            assert_close(np.array(got), wanted, DOT_ULPS, f"qwen3 block_in {what}, {name}", f"B {batch}, L {length}")
+    q, k, _ = native.inputs(x, cos, sin, length)
+    bare = block_in64(block, x, cos64, sin64, batch, head_norms=False)
+    assert excess(np.array(q), bare[0], DOT_ULPS, "q without its head norm") > 10
+    assert excess(np.array(k), bare[1], DOT_ULPS, "k without its head norm") > 10
+
+
 def test_helper_threads_change_nothing_in_a_block(kernel):
     """The products of a block are split over the helper threads by weight rows (q, k and v
     together, gate and up together): each output still computed by one thread, bit for bit.
@@ -176,6 +213,12 @@ def test_block_operations_refuse_what_they_do_not_take(kernel):
         kernel.block_in(x, norm.weight, 1e-5, weights, native.layouts_in, cos, sin, HEADS, 1, 2, 1.0)
     with pytest.raises(ValueError, match="cos and sin"):
         kernel.block_in(x, norm.weight, 1e-5, weights, native.layouts_in, cos[:, :8], sin, HEADS, KV_HEADS, 2, 1.0)
+    with pytest.raises(ValueError, match="none, or q's and k's"):
+        kernel.block_in(x, norm.weight, 1e-5, weights, native.layouts_in, cos, sin, HEADS, KV_HEADS, 2, 1.0,
+                        [mx.ones((HEAD_DIM,))], 1e-6)
+    with pytest.raises(ValueError, match=r"head norm must be float32 \[head_dim\]"):
+        kernel.block_in(x, norm.weight, 1e-5, weights, native.layouts_in, cos, sin, HEADS, KV_HEADS, 2, 1.0,
+                        [mx.ones((HEAD_DIM,)), mx.ones((HEAD_DIM + 1,))], 1e-6)
     with pytest.raises(ValueError, match="attended must be"):
         native.output(x, mx.zeros((1, HEADS, 3, HEAD_DIM)))
     with pytest.raises(ValueError, match="scales and biases must be float32"):
@@ -184,7 +227,7 @@ def test_block_operations_refuse_what_they_do_not_take(kernel):
 
 
 def test_blocks_the_operations_do_not_take_stay_with_mlx(kernel):
-    """Layers not kept packed, a norm of q and k (Qwen3), another norm: MLX's operations."""
+    """Layers not kept packed, a norm of q alone, another norm: MLX's operations."""
     assert NativeBlock.of(packed_block(4, 32, False)) is not None
     args = llama.ModelArgs(model_type="llama", hidden_size=HIDDEN, num_hidden_layers=1, intermediate_size=MLP,
                            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5, vocab_size=64)

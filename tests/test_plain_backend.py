@@ -10,9 +10,12 @@ import math
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
+from engine import quantized_rows
 from engine.backends import plain
+from engine.backends.decode_ops import NativeBlock
 from engine.backends.mimo import MiMoBackend
 from tests.floats import PATHS_ULPS, assert_close, excess
 from tests.gguf_fixtures import TinyModel, tiny_model
@@ -81,6 +84,24 @@ def test_qwen3s_head_norms_are_applied():
         del block.self_attn.q_norm, block.self_attn.k_norm
     got, _ = MiMoBackend(loaded.trunk, []).forward(tokens, loaded.make_cache())
     assert excess(got, want, PATHS_ULPS, what="qwen3 without its head norms") > 1
+
+
+@pytest.mark.skipif(quantized_rows.native() is None, reason="no decode kernel built (macOS: Metal's own kernels)")
+def test_a_packed_qwen3_steps_through_the_block_operations_with_mlx_lms_logits():
+    """The native block operations with Qwen3's head norms, in the engine's steps."""
+    model = tiny_model("qwen3")
+    loaded = plain.load(Path("unused"), model.config, {name: mx.array(w) for name, w in model.weights.items()})
+    blocks = loaded.trunk.model.layers
+    nn.quantize(loaded.trunk.model, group_size=32, bits=4, class_predicate=lambda path, m: path.startswith("layers")
+                and isinstance(m, nn.Linear))
+    assert quantized_rows.keep_packed(loaded.trunk) == 7 * len(blocks)
+    assert all(NativeBlock.of(block) is not None for block in blocks)
+    tokens = mx.array([[1, 5, 9, 3, 7, 2, 11, 4]])
+    want = loaded.trunk(tokens)
+    cache = loaded.make_cache()
+    prompt, _ = loaded.forward(tokens[:, :6], cache)
+    steps = [loaded.forward(tokens[:, i : i + 1], cache)[0] for i in (6, 7)]
+    assert_close(mx.concatenate([prompt, *steps], axis=1), want, ulps=PATHS_ULPS, what="packed qwen3, block operations")
 
 
 @pytest.mark.parametrize("arch, change", [("gemma3", {}), ("llama", {"layer_types": ["sliding_attention",

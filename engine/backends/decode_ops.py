@@ -156,13 +156,14 @@ class NativeBlock:
     MLX's operations the block was ~43 a layer, each with its dispatch on the Python thread
     and on the CPU worker: 1,300 a SmolLM2 token (docs/performance.md). `of` says whether a
     block is one: RMSNorms, the seven linear layers kept packed for the kernel (biases
-    allowed), no norms of q and k."""
+    allowed), and either no norms of q and k or RMSNorms of each of their heads (Qwen3)."""
 
     def __init__(self, block: nn.Module, module: ModuleType):
         attn, mlp = block.self_attn, block.mlp
         self.module = module
         self.attention = attn
         self.norms = (block.input_layernorm, block.post_attention_layernorm)
+        self.head_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
         self.into = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.out = (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         self.layouts_in = [n for layer in self.into for n in _layout(layer)]
@@ -174,7 +175,7 @@ class NativeBlock:
         norms = [getattr(block, name, None) for name in ("input_layernorm", "post_attention_layernorm")]
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         module = native()
-        if module is None or attn is None or mlp is None or hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        if module is None or attn is None or mlp is None or not _head_norms_taken(attn):
             return None
         layers = [getattr(attn, n, None) for n in names] + [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if not all(type(layer) is RowsQuantizedLinear and "biases" in layer and layer.scales.dtype == mx.float32
@@ -189,12 +190,22 @@ class NativeBlock:
         or [B, 1, L, head_dim]."""
         attn, norm = self.attention, self.norms[0]
         cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+        head_norms = [n.weight for n in self.head_norms] if self.head_norms else []
+        head_eps = self.head_norms[0].eps if self.head_norms else 0.0
         return self.module.block_in(rows, norm.weight, norm.eps, _weights(self.into), self.layouts_in, cos, sin,
-                                    attn.n_heads, attn.n_kv_heads, length, attn.scale)
+                                    attn.n_heads, attn.n_kv_heads, length, attn.scale, head_norms, head_eps)
 
     def output(self, rows: mx.array, attended: mx.array) -> mx.array:
         norm = self.norms[1]
         return self.module.block_out(rows, attended, norm.weight, norm.eps, _weights(self.out), self.layouts_out)
+
+
+def _head_norms_taken(attn: nn.Module) -> bool:
+    """No norms of q's and k's heads, or two RMSNorms of one eps the operation applies (Qwen3)."""
+    norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+    if norms == [None, None]:
+        return True
+    return all(type(n) is nn.RMSNorm and n.weight.dtype == mx.float32 for n in norms) and norms[0].eps == norms[1].eps
 
 
 def _layout(layer: nn.Module) -> tuple[int, int, int]:

@@ -980,8 +980,9 @@ void rms_norm_rows(const float* x, const float* weight, float eps, float* out, i
 
 struct BlockIn {
   const float *x, *norm, *cos, *sin; // x [B * L, D] rows; cos, sin [L or B * L, head_dim]
+  const float *q_norm, *k_norm; // RMSNorm weights [head_dim] of each head of q and k (Qwen3), or null
   Linear q, k, v;
-  float eps, scale;
+  float eps, head_eps, scale;
   int batch, length, heads, kv_heads, dim, rope_rows;
   float *q_out, *k_out, *v_out; // [B, heads, L, dim] and [B, kv_heads, L, dim]
 };
@@ -1016,6 +1017,10 @@ void block_in(const BlockIn& a) {
   compute_all({a.q.times(normed.data(), rows, q.data()), a.k.times(normed.data(), rows, k.data()),
                a.v.times(normed.data(), rows, v.data())});
   a.q.add_bias(q.data(), rows), a.k.add_bias(k.data(), rows), a.v.add_bias(v.data(), rows);
+  if (a.q_norm) { // each head of q and k normed before the rotary (in place: a row's scale comes first)
+    rms_norm_rows(q.data(), a.q_norm, a.head_eps, q.data(), rows * a.heads, a.dim);
+    rms_norm_rows(k.data(), a.k_norm, a.head_eps, k.data(), rows * a.kv_heads, a.dim);
+  }
   to_heads(a, q.data(), a.heads, true, a.scale, a.q_out);
   to_heads(a, k.data(), a.kv_heads, true, 1.0f, a.k_out);
   to_heads(a, v.data(), a.kv_heads, false, 1.0f, a.v_out);
@@ -1417,14 +1422,18 @@ std::vector<Linear> linears_of(const std::vector<mx::array>& arrays, const Data&
   return linears;
 }
 
-// Inputs: x, norm, cos, sin, then the weights of q, k and v (linears_of).
+// Inputs: x, norm, cos, sin, the head norms of q and k where there are (Qwen3), then the weights of q, k and v
+// (linears_of).
 class BlockInPrimitive : public CpuPrimitive {
  public:
-  BlockInPrimitive(mx::Stream stream, float eps, float scale, int length, std::vector<int> layouts)
-      : CpuPrimitive(stream), eps_(eps), scale_(scale), length_(length), layouts_(std::move(layouts)) {}
+  BlockInPrimitive(mx::Stream stream, float eps, float scale, int length, std::vector<int> layouts, bool head_norms,
+                   float head_eps)
+      : CpuPrimitive(stream), eps_(eps), scale_(scale), length_(length), layouts_(std::move(layouts)),
+        head_norms_(head_norms), head_eps_(head_eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    dispatch_arrays(inputs, outputs, [eps = eps_, scale = scale_, length = length_, layouts = layouts_](
+    dispatch_arrays(inputs, outputs, [eps = eps_, scale = scale_, length = length_, layouts = layouts_,
+                                      head_norms = head_norms_, head_eps = head_eps_](
                                                     const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       std::vector<std::vector<uint32_t>> copies;
       const Data data = row_major_data(in, copies);
@@ -1433,9 +1442,13 @@ class BlockInPrimitive : public CpuPrimitive {
       a.norm = static_cast<const float*>(data[1]);
       a.cos = static_cast<const float*>(data[2]);
       a.sin = static_cast<const float*>(data[3]);
-      const std::vector<Linear> linears = linears_of(in, data, 4, layouts);
+      if (head_norms) {
+        a.q_norm = static_cast<const float*>(data[4]);
+        a.k_norm = static_cast<const float*>(data[5]);
+      }
+      const std::vector<Linear> linears = linears_of(in, data, head_norms ? 6 : 4, layouts);
       a.q = linears[0], a.k = linears[1], a.v = linears[2];
-      a.eps = eps, a.scale = scale, a.length = length, a.batch = out[0].shape(0);
+      a.eps = eps, a.head_eps = head_eps, a.scale = scale, a.length = length, a.batch = out[0].shape(0);
       a.heads = out[0].shape(1), a.kv_heads = out[1].shape(1), a.dim = out[0].shape(3), a.rope_rows = in[2].shape(0);
       a.q_out = out[0].data<float>(), a.k_out = out[1].data<float>(), a.v_out = out[2].data<float>();
       block_in(a);
@@ -1445,13 +1458,16 @@ class BlockInPrimitive : public CpuPrimitive {
   const char* name() const override { return "BlockIn"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const BlockInPrimitive&>(other);
-    return eps_ == o.eps_ && scale_ == o.scale_ && length_ == o.length_ && layouts_ == o.layouts_;
+    return eps_ == o.eps_ && scale_ == o.scale_ && length_ == o.length_ && layouts_ == o.layouts_ &&
+           head_norms_ == o.head_norms_ && head_eps_ == o.head_eps_;
   }
 
  private:
   float eps_, scale_;
   int length_;
   std::vector<int> layouts_;
+  bool head_norms_;
+  float head_eps_;
 };
 
 // Inputs: x, attended, norm, then the weights of o, gate, up and down (linears_of).
@@ -1519,7 +1535,8 @@ int columns_of(const mx::array& w, int bits) { return int(w.shape(1) * 32 / bits
 
 std::vector<mx::array> block_in_op(const mx::array& x, const mx::array& norm, float eps, const std::vector<mx::array>& weights,
                                    const std::vector<int>& layouts, const mx::array& cos, const mx::array& sin, int heads,
-                                   int kv_heads, int length, float scale) {
+                                   int kv_heads, int length, float scale, const std::vector<mx::array>& head_norms,
+                                   float head_eps) {
   const std::vector<size_t> at = check_block_weights(weights, layouts, 3);
   const mx::array &wq = weights[at[0]], &wk = weights[at[1]], &wv = weights[at[2]];
   require_block(x.dtype() == mx::float32 && x.ndim() == 2 && length > 0 && x.shape(0) % length == 0,
@@ -1536,9 +1553,14 @@ std::vector<mx::array> block_in_op(const mx::array& x, const mx::array& norm, fl
     require_block(t->dtype() == mx::float32 && t->ndim() == 2 && t->shape(1) == dim
                       && (t->shape(0) == length || t->shape(0) == x.shape(0)),
                   "cos and sin must be float32 [L or B * L, head_dim]");
+  require_block(head_norms.empty() || head_norms.size() == 2, "head_norms must be none, or q's and k's");
+  for (const mx::array& n : head_norms)
+    require_block(n.dtype() == mx::float32 && n.shape() == mx::Shape{dim}, "a head norm must be float32 [head_dim]");
   std::vector<mx::array> inputs{x, norm, cos, sin};
+  inputs.insert(inputs.end(), head_norms.begin(), head_norms.end());
   inputs.insert(inputs.end(), weights.begin(), weights.end());
-  auto primitive = std::make_shared<BlockInPrimitive>(mx::default_stream(mx::Device::cpu), eps, scale, length, layouts);
+  auto primitive = std::make_shared<BlockInPrimitive>(mx::default_stream(mx::Device::cpu), eps, scale, length, layouts,
+                                                      !head_norms.empty(), head_eps);
   return mx::array::make_arrays({{batch, heads, length, dim}, {batch, kv_heads, length, dim}, {batch, kv_heads, length, dim}},
                                 {mx::float32, mx::float32, mx::float32}, primitive, inputs);
 }
@@ -1613,8 +1635,10 @@ NB_MODULE(_mtplxd_quantized_rows, m) {
         "reads keys 0 .. T - L + l. Returns [B, H, L, D].");
   m.def("block_in", &block_in_op, nb::arg("x"), nb::arg("norm"), nb::arg("eps"), nb::arg("weights"), nb::arg("layouts"),
         nb::arg("cos"), nb::arg("sin"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("length"), nb::arg("scale"),
+        nb::arg("head_norms") = std::vector<mx::array>{}, nb::arg("head_eps") = 0.0f,
         "A Llama-style block's input half on the CPU: rows x [B * L, D] -> RMSNorm(x, norm, eps) -> q, k, v\n"
-        "(weights: w, scales, biases and an optional bias of each; layouts: group size, bits, 1 if a bias), rotated (half-split,\n"
+        "(weights: w, scales, biases and an optional bias of each; layouts: group size, bits, 1 if a bias), each head\n"
+        "of q and k RMSNormed by head_norms (q's, k's weights [head_dim], head_eps; Qwen3) where given, rotated (half-split,\n"
         "cos and sin [L or B * L, head_dim]), q times scale. Returns q [B, heads, L, head_dim], k, v [B, kv_heads, L, head_dim].");
   m.def("block_out", &block_out_op, nb::arg("x"), nb::arg("attended"), nb::arg("norm"), nb::arg("eps"),
         nb::arg("weights"), nb::arg("layouts"),
