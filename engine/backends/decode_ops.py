@@ -202,10 +202,12 @@ class NativeBlock:
 
 def _head_norms_taken(attn: nn.Module) -> bool:
     """No norms of q's and k's heads, or two RMSNorms of one eps the operation applies (Qwen3)."""
-    norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
-    if norms == [None, None]:
+    q, k = (getattr(attn, name, None) for name in ("q_norm", "k_norm"))
+    if q is None and k is None:
         return True
-    return all(type(n) is nn.RMSNorm and n.weight.dtype == mx.float32 for n in norms) and norms[0].eps == norms[1].eps
+    if not (isinstance(q, nn.RMSNorm) and isinstance(k, nn.RMSNorm)):
+        return False
+    return type(q) is type(k) is nn.RMSNorm and q.weight.dtype == k.weight.dtype == mx.float32 and q.eps == k.eps
 
 
 def _layout(layer: nn.Module) -> tuple[int, int, int]:
