@@ -205,9 +205,9 @@ def _head_norms_taken(attn: nn.Module) -> bool:
     q, k = (getattr(attn, name, None) for name in ("q_norm", "k_norm"))
     if q is None and k is None:
         return True
-    if not (isinstance(q, nn.RMSNorm) and isinstance(k, nn.RMSNorm)):
+    if type(q) is not nn.RMSNorm or type(k) is not nn.RMSNorm:
         return False
-    return type(q) is type(k) is nn.RMSNorm and q.weight.dtype == k.weight.dtype == mx.float32 and q.eps == k.eps
+    return q.weight.dtype == k.weight.dtype == mx.float32 and q.eps == k.eps
 
 
 def _layout(layer: nn.Module) -> tuple[int, int, int]:
