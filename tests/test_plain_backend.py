@@ -25,10 +25,22 @@ TAGGED_SCALING = {"type": "linear", "factor": 1.0,  # a scale of 1: the rope is 
                   "upper": {"__float__": "Infinity"}, "lower": {"__float__": "-Infinity"}, "unset": {"__float__": "NaN"}}
 
 
+def loaded(model: TinyModel, **change):
+    """The plain backend's load of the tiny model, its config changed by `change`."""
+    return plain.load(Path("unused"), {**model.config, **change}, {name: mx.array(w) for name, w in model.weights.items()})
+
+
 def backend(config: dict):
-    model = tiny_model("llama")
-    weights = {name: mx.array(w) for name, w in model.weights.items()}
-    return plain.load(Path("unused"), {**model.config, **config}, weights)
+    return loaded(tiny_model("llama"), **config)
+
+
+def stepped_logits(backend_, tokens: mx.array) -> mx.array:
+    """Logits of all positions as the engine computes them: a prompt, then a token at a time
+    through the cache."""
+    cache, n = backend_.make_cache(), tokens.shape[1]
+    prompt, _ = backend_.forward(tokens[:, : n - 2], cache)
+    steps = [backend_.forward(tokens[:, i : i + 1], cache)[0] for i in (n - 2, n - 1)]
+    return mx.concatenate([prompt, *steps], axis=1)
 
 
 def test_tagged_non_finite_floats_are_restored():
@@ -59,14 +71,11 @@ def reference_logits(model: TinyModel, tokens: mx.array, **change) -> mx.array:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_a_llama_style_trunk_decodes_on_mimos_path_with_the_same_logits(arch):
     model = tiny_model(arch)
-    loaded = plain.load(Path("unused"), model.config, {name: mx.array(w) for name, w in model.weights.items()})
-    assert isinstance(loaded, MiMoBackend) and loaded.n_heads == 0 and loaded.family == arch
+    on_mimo = loaded(model)
+    assert isinstance(on_mimo, MiMoBackend) and on_mimo.n_heads == 0 and on_mimo.family == arch
     tokens = mx.array([[1, 5, 9, 3, 7, 2, 11, 4]])
     want = reference_logits(model, tokens)
-    cache = loaded.make_cache()
-    prompt, _ = loaded.forward(tokens[:, :6], cache)  # a prompt, then a token at a time through the cache
-    steps = [loaded.forward(tokens[:, i : i + 1], cache)[0] for i in (6, 7)]
-    got = mx.concatenate([prompt, *steps], axis=1)
+    got = stepped_logits(on_mimo, tokens)
     assert_close(got, want, ulps=PATHS_ULPS, what=f"{arch} on MiMo's path")
     # Negative control: the rotary at another base (its frequencies a quarter) is outside the bound.
     other_base = 4 * importlib.import_module(f"mlx_lm.models.{arch}").ModelArgs.from_dict(model.config).rope_theta
@@ -76,32 +85,27 @@ def test_a_llama_style_trunk_decodes_on_mimos_path_with_the_same_logits(arch):
 
 def test_qwen3s_head_norms_are_applied():
     """Negative control for Qwen3's per-head q/k norms: the same weights without them are outside the bound."""
-    model = tiny_model("qwen3")
-    loaded = plain.load(Path("unused"), model.config, {name: mx.array(w) for name, w in model.weights.items()})
+    on_mimo = loaded(tiny_model("qwen3"))
     tokens = mx.array([[1, 5, 9, 3, 7, 2]])
-    want, _ = loaded.forward(tokens, loaded.make_cache())
-    for block in loaded.trunk.model.layers:
+    want, _ = on_mimo.forward(tokens, on_mimo.make_cache())
+    for block in on_mimo.trunk.model.layers:
         del block.self_attn.q_norm, block.self_attn.k_norm
-    got, _ = MiMoBackend(loaded.trunk, []).forward(tokens, loaded.make_cache())
+    got, _ = MiMoBackend(on_mimo.trunk, []).forward(tokens, on_mimo.make_cache())
     assert excess(got, want, PATHS_ULPS, what="qwen3 without its head norms") > 1
 
 
 @pytest.mark.skipif(quantized_rows.native() is None, reason="no decode kernel built (macOS: Metal's own kernels)")
 def test_a_packed_qwen3_steps_through_the_block_operations_with_mlx_lms_logits():
     """The native block operations with Qwen3's head norms, in the engine's steps."""
-    model = tiny_model("qwen3")
-    loaded = plain.load(Path("unused"), model.config, {name: mx.array(w) for name, w in model.weights.items()})
-    blocks = loaded.trunk.model.layers
-    nn.quantize(loaded.trunk.model, group_size=32, bits=4, class_predicate=lambda path, m: path.startswith("layers")
+    on_mimo = loaded(tiny_model("qwen3"))
+    blocks = on_mimo.trunk.model.layers
+    nn.quantize(on_mimo.trunk.model, group_size=32, bits=4, class_predicate=lambda path, m: path.startswith("layers")
                 and isinstance(m, nn.Linear))
-    assert quantized_rows.keep_packed(loaded.trunk) == 7 * len(blocks)
+    assert quantized_rows.keep_packed(on_mimo.trunk) == 7 * len(blocks)
     assert all(NativeBlock.of(block) is not None for block in blocks)
     tokens = mx.array([[1, 5, 9, 3, 7, 2, 11, 4]])
-    want = loaded.trunk(tokens)
-    cache = loaded.make_cache()
-    prompt, _ = loaded.forward(tokens[:, :6], cache)
-    steps = [loaded.forward(tokens[:, i : i + 1], cache)[0] for i in (6, 7)]
-    assert_close(mx.concatenate([prompt, *steps], axis=1), want, ulps=PATHS_ULPS, what="packed qwen3, block operations")
+    assert_close(stepped_logits(on_mimo, tokens), on_mimo.trunk(tokens), ulps=PATHS_ULPS,
+                 what="packed qwen3, block operations")
 
 
 @pytest.mark.parametrize("arch, change", [("gemma3", {}), ("llama", {"layer_types": ["sliding_attention",
@@ -109,6 +113,5 @@ def test_a_packed_qwen3_steps_through_the_block_operations_with_mlx_lms_logits()
                                                                      "sliding_window": 4})])
 def test_other_trunks_stay_on_mlx_lms_model(arch, change):
     model = tiny_model(arch)
-    config = {**model.config, **change}
-    loaded = plain.load(Path("unused"), config, {name: mx.array(w) for name, w in model.weights.items()})
-    assert isinstance(loaded, plain.PlainBackend) and loaded.family == model.config["model_type"]
+    on_mlx_lm = loaded(model, **change)
+    assert isinstance(on_mlx_lm, plain.PlainBackend) and on_mlx_lm.family == model.config["model_type"]
