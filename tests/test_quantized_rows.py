@@ -45,14 +45,18 @@ def reference(x: mx.array, packed, bits: int, group: int) -> np.ndarray:
     return np.array(x, dtype=np.float64) @ w.T
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)])
-def test_every_path_equals_float64(kernel, bits, group):
-    # 99 output rows: not a multiple of the 4 or 2 weight rows a vector path takes at once
-    packed = weights(99, 640, bits, group)
+@pytest.mark.parametrize("bits,group,k", [(4, 32, 640), (4, 64, 640), (4, 128, 640), (8, 32, 640), (8, 64, 640),
+                                          (8, 128, 640), (4, 32, 576), (4, 64, 576), (8, 32, 576), (4, 32, 544)])
+def test_every_path_equals_float64(kernel, bits, group, k):
+    # 99 output rows: not a multiple of the 4 or 2 weight rows a vector path takes at once.
+    # One row is factored in blocks of 64 bytes (128 values at 4 bits): k = 640 is whole
+    # blocks, 576 at 4 bits pairs rows of W (and its 99th row is alone, its last block
+    # masked), 544 keeps the lookups.
+    packed = weights(99, k, bits, group)
     for name in kernel.paths():
         kernel.set_kernel(name)
         for rows in (1, 2, 3, 4, 5, 8, 9, 16, quantized_rows.ROWS_MAX):
-            x = mx.random.normal((rows, 640), key=mx.random.key(rows))
+            x = mx.random.normal((rows, k), key=mx.random.key(rows))
             got = kernel.quantized_rows(x, *packed, group, bits)
             assert_close(np.array(got), reference(x, packed, bits, group), DOT_ULPS,
                          what=f"{name} {bits}-bit", where=f"group {group}, {rows} rows")
@@ -103,15 +107,25 @@ def test_negative_controls_fall_outside_the_bound(kernel):
     """What two plausible bugs would compute is caught by the same bound."""
     bits, group = 4, 32
     packed = weights(64, 576, bits, group)
-    x = mx.random.normal((3, 576), key=mx.random.key(7))
-    got = np.array(kernel.quantized_rows(x, *packed, group, bits))
     w, scales, biases = packed
-    # the two values of each byte read in the other order
-    swapped = ((w & 0x0F0F0F0F) << 4) | ((w >> 4) & 0x0F0F0F0F)
-    assert excess(got, reference(x, (swapped, scales, biases), bits, group), DOT_ULPS, "nibbles swapped") > 100
-    # each group's scale and bias taken from the group before it
-    shifted = (mx.roll(scales, 1, axis=1), mx.roll(biases, 1, axis=1))
-    assert excess(got, reference(x, (w, *shifted), bits, group), DOT_ULPS, "scales shifted") > 100
+    swapped = ((w & 0x0F0F0F0F) << 4) | ((w >> 4) & 0x0F0F0F0F)  # the two values of each byte in the other order
+    shifted = (mx.roll(scales, 1, axis=1), mx.roll(biases, 1, axis=1))  # each group's scale and bias from the one before
+    pairs = np.arange(64).reshape(32, 2)[:, ::-1].ravel()  # the outputs of each pair of W's rows swapped
+    for rows in (1, 3):  # one row is factored (AVX-512), three look their weights up
+        x = mx.random.normal((rows, 576), key=mx.random.key(7))
+        got = np.array(kernel.quantized_rows(x, *packed, group, bits))
+        assert_close(got, reference(x, packed, bits, group), DOT_ULPS, f"{rows} rows")
+        assert excess(got, reference(x, (swapped, scales, biases), bits, group), DOT_ULPS, "nibbles swapped") > 100
+        assert excess(got, reference(x, (w, *shifted), bits, group), DOT_ULPS, "scales shifted") > 100
+        assert excess(got, reference(x, packed, bits, group)[:, pairs], DOT_ULPS, "pairs swapped") > 100
+    packed = weights(64, 576, 8, group)
+    w, scales, biases = packed
+    swapped = ((w & 0x00FF00FF) << 8) | ((w >> 8) & 0x00FF00FF)  # each word's bytes in pairs, in the other order
+    for rows in (1, 3):
+        x = mx.random.normal((rows, 576), key=mx.random.key(8))
+        got = np.array(kernel.quantized_rows(x, *packed, group, 8))
+        assert_close(got, reference(x, packed, 8, group), DOT_ULPS, f"8 bits, {rows} rows")
+        assert excess(got, reference(x, (swapped, scales, biases), 8, group), DOT_ULPS, "bytes swapped") > 100
 
 
 def test_batches_strides_and_compile(kernel):

@@ -70,6 +70,7 @@ struct Problem {
   const float* biases;
   float* out; // [m, n], rows `ld` apart
   int m, n, k, group, bits, ld;
+  const float* xsum = nullptr; // one row through the factored path (below): x's sum per group
 
   size_t row_bytes() const { return size_t(k) * bits / 8; }
   int groups() const { return k / group; }
@@ -190,6 +191,156 @@ void block512(const Problem& p, int r0) {
   int j = 0;
   for (; j + R <= p.n; j += R) rows512<M, R>(p, x, j, r0);
   for (; j < p.n; ++j) rows512<M, 1>(p, x, j, r0);
+}
+
+// ---- one row: the product factored ---------------------------------------------------
+//
+// One row of x (a decode step, a draft) is bound by unpacking, not by the multiply-adds:
+// the lookups above cost three shuffles (a widening and two permutes) a chunk of 32
+// 4-bit weights beside two multiply-adds, and 8 bits two widenings, two conversions and
+// two multiply-adds more. Here the group's affine form comes out of the sum,
+//   x . w = sum_g s_g (sum_{i in g} q_i x_i) + sum_g b_g xsum_g,
+// xsum_g being the group's sum of x, once per x for every row of W. And a value becomes a
+// float without moving it: OR-ed into the mantissa of 1.0 where it lies in its 32-bit
+// word, (1 + q 2^(p-23)) - 1 = q 2^(p-23) exactly (p its bit position), and x comes
+// multiplied by 2^(23-p) (exact too), so each product is q x. A value that would reach
+// bit 23 (the exponent) comes from the word shifted right (by 12 at 4 bits, 16 at 8). So
+// 16 weights cost a bitwise select, a subtraction and a multiply-add, no shuffle: in the
+// harness 1.15-1.2x the lookups for SmolLM2's 4-bit matrices and its 8-bit LM head
+// (docs/performance.md). Rows of several x gain nothing (their multiply-adds are the
+// bound, and the block sums add some), so they keep the lookups.
+//
+// 64 bytes (16 words) are a block: 128 values at 4 bits, 64 at 8. Lane l of the block's
+// vector v holds value (32 / bits) l + v, so x is laid out in that order (`factored_x`).
+// Where k % 128 == 64 at 4 bits, two rows of W, contiguous with their scales and biases,
+// are one row of 2k: the pair's middle block holds the first row's last 64 values in its
+// low lanes and the second's first 64 in its high lanes, and x is laid out twice over.
+
+constexpr int BLOCK_BYTES = 64;
+
+constexpr int block_values(int bits) { return BLOCK_BYTES * 8 / bits; }
+
+bool factored(const Problem& p) {
+  if (p.m != 1 || (p.bits != 4 && p.bits != 8) || !(p.group == 32 || p.group == 64 || p.group == 128)) return false;
+  const int values = block_values(p.bits);
+  return p.k % values == 0 || (p.bits == 4 && p.k % values == values / 2 && p.group <= values / 2);
+}
+
+// Blocks of x's layout: k's own, or twice k's where two rows of W make one.
+int factored_blocks(int k, int bits) { return (k % block_values(bits) ? 2 * k : k) / block_values(bits); }
+
+// The shift that brings a word's upper values below bit 20, and where vector v finds its value.
+constexpr int high_shift(int bits) { return bits == 4 ? 12 : 16; }
+constexpr bool from_high(int bits, int v) { return bits * (v + 1) > 23; }
+constexpr int value_position(int bits, int v) { return bits * v - (from_high(bits, v) ? high_shift(bits) : 0); }
+
+// x's one row in the blocks' order, scaled per vector, and its sums per group (zeros up to
+// a multiple of 16 groups, which the bias products read). `twice` has room for 2k floats.
+__attribute__((target("avx512f")))
+void factored_x(const float* x, int k, int group, int bits, float* out, float* sums, float* twice) {
+  std::memcpy(twice, x, k * sizeof(float));
+  std::memcpy(twice + k, x, k * sizeof(float));
+  const int values = block_values(bits), per_word = 32 / bits;
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(per_word));
+  for (int b = 0; b < factored_blocks(k, bits); ++b)
+    for (int v = 0; v < per_word; ++v) {
+      const __m512 scale = _mm512_set1_ps(float(1 << (23 - value_position(bits, v)))); // a power of two: exact
+      const __m512 from = _mm512_i32gather_ps(lanes, twice + (b * values) % k + v, 4);
+      _mm512_store_ps(out + b * values + v * 16, _mm512_mul_ps(from, scale));
+    }
+  const int groups = k / group;
+  for (int g = 0; g < (groups + 15) / 16 * 16; ++g) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; g < groups && i < group; i += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(x + g * group + i));
+    sums[g] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// One vector v of a block: acc += (q 2^(p-23)) * (x 2^(23-p)), q the value at bit p.
+template <int BITS, int V>
+__attribute__((target("avx512f")))
+inline __m512 factored_term(__m512i words, __m512i high, const float* x, __m512 acc) {
+  const __m512i value = _mm512_set1_epi32(((1 << BITS) - 1) << value_position(BITS, V));
+  const __m512i one_bits = _mm512_set1_epi32(0x3F800000);
+  const __m512i bits = _mm512_ternarylogic_epi32(from_high(BITS, V) ? high : words, value, one_bits, 0xEA); // (w & value) | 1.0
+  return _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.0f)), _mm512_load_ps(x + 16 * V), acc);
+}
+
+// A block's vectors of one (virtual) row, summed.
+template <int BITS>
+__attribute__((target("avx512f")))
+inline __m512 factored_block(__m512i words, const float* x) {
+  const __m512i high = _mm512_srli_epi32(words, high_shift(BITS));
+  __m512 acc = factored_term<BITS, 0>(words, high, x, _mm512_setzero_ps());
+  acc = factored_term<BITS, 1>(words, high, x, acc);
+  acc = factored_term<BITS, 2>(words, high, x, acc);
+  acc = factored_term<BITS, 3>(words, high, x, acc);
+  if constexpr (BITS == 4) {
+    acc = factored_term<BITS, 4>(words, high, x, acc);
+    acc = factored_term<BITS, 5>(words, high, x, acc);
+    acc = factored_term<BITS, 6>(words, high, x, acc);
+    acc = factored_term<BITS, 7>(words, high, x, acc);
+  }
+  return acc;
+}
+
+// R virtual rows from j0: pairs of rows where k % 128 == 64 at 4 bits (PAIRED), rows
+// otherwise; a lone row of such a matrix (an odd n's last) reads its last block masked.
+// `spread`: the group of each lane of a block, counted from the block's first.
+template <int BITS, int R, bool PAIRED>
+__attribute__((target("avx512f")))
+void rows_factored(const Problem& p, int j0, __m512i spread) {
+  constexpr int ROWS = PAIRED ? 2 * R : R, VALUES = block_values(BITS);
+  const size_t row_bytes = p.row_bytes();
+  const int groups = p.groups(), per_block = std::max(1, VALUES / p.group);
+  const int blocks = PAIRED ? 2 * p.k / VALUES : (p.k + VALUES - 1) / VALUES, middle = p.k / VALUES;
+  const char* next = reinterpret_cast<const char*>(p.w + size_t(j0 + ROWS) * row_bytes);
+  prefetch(p.scales + size_t(j0 + ROWS) * groups, ROWS * groups * sizeof(float));
+  prefetch(p.biases + size_t(j0 + ROWS) * groups, ROWS * groups * sizeof(float));
+  __m512 total[ROWS];
+  for (int r = 0; r < ROWS; ++r) total[r] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    prefetch(next + b * R * BLOCK_BYTES, R * BLOCK_BYTES);
+    const bool whole = PAIRED || (b + 1) * VALUES <= p.k;
+    const int g0 = b * VALUES / p.group, here = whole ? per_block : per_block / 2;
+    for (int r = 0; r < R; ++r) {
+      const size_t row = size_t(j0) + (PAIRED ? 2 * r : r);
+      const uint8_t* at = p.w + row * row_bytes + b * BLOCK_BYTES;
+      const __m512i words = whole ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi32(0x00FF, at);
+      const __m512 sums = factored_block<BITS>(words, p.x + size_t(b) * VALUES);
+      const __m512 s = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(__mmask16((1u << here) - 1), p.scales + row * groups + g0));
+      if (!PAIRED || b < middle) total[PAIRED ? 2 * r : r] = _mm512_fmadd_ps(sums, s, total[PAIRED ? 2 * r : r]);
+      else if (b > middle) total[2 * r + 1] = _mm512_fmadd_ps(sums, s, total[2 * r + 1]);
+      else {
+        total[2 * r] = _mm512_mask3_fmadd_ps(sums, s, total[2 * r], 0x00FF);
+        total[2 * r + 1] = _mm512_mask3_fmadd_ps(sums, s, total[2 * r + 1], 0xFF00);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const float* biases = p.biases + size_t(j0 + r) * groups;
+    for (int g = 0; g < groups; g += 16) {
+      const __mmask16 valid = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+      total[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(valid, biases + g), _mm512_load_ps(p.xsum + g), total[r]);
+    }
+    p.out[j0 + r] = _mm512_reduce_add_ps(total[r]);
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx512f")))
+void factored512(const Problem& p) {
+  alignas(64) int lane_group[16];
+  for (int l = 0; l < 16; ++l) lane_group[l] = l * (32 / BITS) / p.group;
+  const __m512i spread = _mm512_load_si512(lane_group);
+  int j = 0;
+  if (p.k % block_values(BITS) == 0) {
+    for (; j + 4 <= p.n; j += 4) rows_factored<BITS, 4, false>(p, j, spread);
+  } else {
+    for (; j + 4 <= p.n; j += 4) rows_factored<BITS, 2, true>(p, j, spread);
+    for (; j + 2 <= p.n; j += 2) rows_factored<BITS, 1, true>(p, j, spread);
+  }
+  for (; j < p.n; ++j) rows_factored<BITS, 1, false>(p, j, spread);
 }
 
 // ---- AVX2 -----------------------------------------------------------------
@@ -388,6 +539,32 @@ const float* vector_x(const float* x, int m, int k, int bits, std::vector<float>
   return out;
 }
 
+#ifdef MTPLXD_X86
+// One row of x laid out for the factored path, per group size (a step's products share x).
+struct Factored {
+  std::vector<std::pair<int, std::vector<float>>> prepared; // layout -> x's blocks, then its sums
+
+  static int layout(const Problem& p) { return p.group * 16 + p.bits; }
+
+  void prepare(Problem& p) {
+    const size_t length = size_t(factored_blocks(p.k, p.bits)) * block_values(p.bits), sums = (p.k / p.group + 15) / 16 * 16;
+    auto found = std::find_if(prepared.begin(), prepared.end(), [&](const auto& e) { return e.first == layout(p); });
+    if (found == prepared.end()) {
+      prepared.emplace_back(layout(p), std::vector<float>(length + sums + 2 * p.k + 16));
+      found = prepared.end() - 1;
+      float* start = aligned(found->second);
+      factored_x(p.x, p.k, p.group, p.bits, start, start + length, start + length + sums);
+    }
+    p.x = aligned(found->second);
+    p.xsum = p.x + length;
+  }
+
+  static float* aligned(std::vector<float>& v) {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+  }
+};
+#endif
+
 // The weight rows [j0, j1) of the product: a slice of the output's columns.
 Problem columns(Problem p, int j0, int j1) {
   p.w += size_t(j0) * p.row_bytes();
@@ -399,6 +576,9 @@ Problem columns(Problem p, int j0, int j1) {
 }
 
 void compute_columns(const Problem& p) {
+#ifdef MTPLXD_X86
+  if (p.xsum) return p.bits == 4 ? factored512<4>(p) : factored512<8>(p);
+#endif
   for (int r0 = 0; r0 < p.m; r0 += ROW_BLOCK) {
     int rows = std::min(ROW_BLOCK, p.m - r0);
 #ifdef MTPLXD_X86
@@ -418,10 +598,19 @@ void compute_columns(const Problem& p) {
 void compute_all(std::vector<Problem> ps) {
   std::vector<float> storage[2];
   const float* prepared[2] = {nullptr, nullptr}; // x as the vector paths read it, per bit width
+#ifdef MTPLXD_X86
+  Factored one_row; // or as the factored path reads it
+#endif
   size_t macs = 0;
   for (Problem& p : ps) {
     macs += size_t(p.m) * p.n * p.k;
     if (level == PORTABLE) continue;
+#ifdef MTPLXD_X86
+    if (level == AVX512 && factored(p)) {
+      one_row.prepare(p);
+      continue;
+    }
+#endif
     const float*& x = prepared[p.bits == 4];
     if (!x) x = vector_x(p.x, p.m, p.k, p.bits, storage[p.bits == 4]);
     p.x = x;
