@@ -235,17 +235,22 @@ constexpr bool from_high(int bits, int v) { return bits * (v + 1) > 23; }
 constexpr int value_position(int bits, int v) { return bits * v - (from_high(bits, v) ? high_shift(bits) : 0); }
 
 // x's one row in the blocks' order, scaled per vector, and its sums per group (zeros up to
-// a multiple of 16 groups, which the bias products read). `twice` has room for 2k floats.
+// a multiple of 16 groups, which the bias products read). `twice` has room for 2k floats:
+// x twice over, where two rows of W make one.
 __attribute__((target("avx512f")))
 void factored_x(const float* x, int k, int group, int bits, float* out, float* sums, float* twice) {
-  std::memcpy(twice, x, k * sizeof(float));
-  std::memcpy(twice + k, x, k * sizeof(float));
   const int values = block_values(bits), per_word = 32 / bits;
+  const float* from_x = x;
+  if (k % values) {
+    std::memcpy(twice, x, k * sizeof(float));
+    std::memcpy(twice + k, x, k * sizeof(float));
+    from_x = twice;
+  }
   const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(per_word));
   for (int b = 0; b < factored_blocks(k, bits); ++b)
     for (int v = 0; v < per_word; ++v) {
       const __m512 scale = _mm512_set1_ps(float(1 << (23 - value_position(bits, v)))); // a power of two: exact
-      const __m512 from = _mm512_i32gather_ps(lanes, twice + (b * values) % k + v, 4);
+      const __m512 from = _mm512_i32gather_ps(lanes, from_x + (b * values) % k + v, 4);
       _mm512_store_ps(out + b * values + v * 16, _mm512_mul_ps(from, scale));
     }
   const int groups = k / group;
@@ -520,13 +525,18 @@ void rows_vector(const Problem& p, int r0, int rows) {
 }
 #endif
 
+// The first 64-byte boundary in `storage` (which has 16 floats to spare for it).
+float* aligned64(std::vector<float>& storage) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+}
+
 // x as the vector paths read it: 64-byte aligned (they load it aligned; misaligned
 // loads cost 15% at 4-8 rows) and, for 4 bits, each chunk in the order of its
 // nibbles [even values..., odd values...].
 const float* vector_x(const float* x, int m, int k, int bits, std::vector<float>& storage) {
   if (bits != 4 && reinterpret_cast<uintptr_t>(x) % 64 == 0) return x; // rows of k % 32 == 0 stay aligned
   storage.resize(size_t(m) * k + 16);
-  float* out = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+  float* out = aligned64(storage);
   if (bits != 4) {
     std::memcpy(out, x, size_t(m) * k * sizeof(float));
     return out;
@@ -540,7 +550,8 @@ const float* vector_x(const float* x, int m, int k, int bits, std::vector<float>
 }
 
 #ifdef MTPLXD_X86
-// One row of x laid out for the factored path, per group size (a step's products share x).
+// One row of x laid out for the factored path, per group size and bit width (a step's
+// products share x).
 struct Factored {
   std::vector<std::pair<int, std::vector<float>>> prepared; // layout -> x's blocks, then its sums
 
@@ -552,15 +563,11 @@ struct Factored {
     if (found == prepared.end()) {
       prepared.emplace_back(layout(p), std::vector<float>(length + sums + 2 * p.k + 16));
       found = prepared.end() - 1;
-      float* start = aligned(found->second);
+      float* start = aligned64(found->second);
       factored_x(p.x, p.k, p.group, p.bits, start, start + length, start + length + sums);
     }
-    p.x = aligned(found->second);
+    p.x = aligned64(found->second);
     p.xsum = p.x + length;
-  }
-
-  static float* aligned(std::vector<float>& v) {
-    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
   }
 };
 #endif
