@@ -14,8 +14,8 @@ The same extension has the softmax engine/sampling.py uses on the CPU (sampling,
 attention in engine/backends/decode_ops.py) and the SwiGLU activation there (MLX's CPU
 exp is several times slower), a decode step's attention, the top values top-p seeks
 its cut among (MLX's CPU topk partitions the whole vocabulary), and a Llama-style block's
-two halves around its attention (decode_ops.NativeBlock): one operation each where MLX
-took ~20.
+two halves around its attention, and its whole decode step with its KV cache
+(decode_ops.NativeBlock): one operation each where MLX took ~20.
 
 A GPU (Metal, CUDA) keeps MLX's own kernels; without the extension (no compiler at install,
 another platform) the engine unpacks as before and `describe()` says so.
@@ -51,7 +51,8 @@ HEAD_BITS = 8  # MTP heads packed beside a packed trunk (pack_heads)
 # docs/performance.md. More helpers are untested (this machine has two cores).
 KERNEL_THREADS = min(2, os.cpu_count() or 1)
 # What the engine calls in the module (a build from an older source lacks some).
-OPERATIONS = ("quantized_rows", "dequantize", "softmax", "swiglu", "attention", "top_values", "block_in", "block_out")
+OPERATIONS = ("quantized_rows", "dequantize", "softmax", "swiglu", "attention", "top_values", "block_in", "block_out",
+              "block_step")
 
 log = logging.getLogger(__name__)
 

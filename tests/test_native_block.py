@@ -4,7 +4,9 @@ path this CPU has, at 4 and 8 bits, with and without biases, for a token, a veri
 and a batch of rows, against float64 of the dequantized weights; bit for bit on 1 to 3
 threads; their refusals; and the engine's steps through them, against the same steps in
 MLX's operations. Negative controls: the rotation turned the other way, gate and up swapped,
-the residual left out."""
+the residual left out. The whole block's step with its KV cache (block_step) against the
+two halves around mlx-lm's cache update and the attention, bit for bit, its cache written
+in place only where nothing else holds it."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen3
+from mlx_lm.models.cache import KVCache
 
 from engine import quantized_rows
 from engine.backends import decode_ops
-from engine.backends.decode_ops import NativeBlock, RopeTable
+from engine.backends.decode_ops import Causal, NativeBlock, RopeTable, cpu_attention
 from engine.backends.mimo import attention_inputs, block_output
 from tests.engine_helpers import restore_kernel
 from tests.floats import DOT_ULPS, PATHS_ULPS, assert_close, excess
@@ -240,6 +243,96 @@ def test_blocks_the_operations_do_not_take_stay_with_mlx(kernel):
     assert NativeBlock.of(layer_norm) is None
 
 
+def halves_step(native: NativeBlock, rows: mx.array, cos: mx.array, sin: mx.array, cache: KVCache) -> mx.array:
+    """A block's step as the engine took it before block_step: the two halves around mlx-lm's
+    cache update and cpu_attention."""
+    length = cos.shape[0]
+    q, k, v = native.inputs(rows, cos, sin, length)
+    k, v = cache.update_and_fetch(k, v)
+    return native.output(rows, cpu_attention(q, k, v, Causal(cache.offset - length, length) if length > 1 else None))
+
+
+def buffer_address(a: mx.array) -> int:
+    view = np.asarray(memoryview(a))
+    return view.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("make", [lambda: packed_block(4, 32, False), lambda: packed_block(8, 32, True), packed_qwen3_block],
+                         ids=["4-bit", "8-bit with biases", "qwen3 head norms"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_blocks_step_equals_its_halves_bit_for_bit(kernel, make, batch):
+    """Steps of 5, 1, 3 and 1 positions (a short prompt, a token, a verify window, a token)
+    through block_step and through the halves, each with its own cache, on every path: the rows
+    and the cached keys and values are the same bits, across the cache's growth (step 4)."""
+    native = NativeBlock.of(make())
+    assert native is not None
+    table = RopeTable(nn.RoPE(HEAD_DIM, base=10000), HEAD_DIM)
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        fused, halves = KVCache(), KVCache()
+        fused.step = halves.step = 4
+        for i, length in enumerate((5, 1, 3, 1)):
+            rows = mx.random.normal((batch * length, HIDDEN), key=mx.random.key(10 + i))
+            cos, sin = table.slices(fused.offset, length)
+            got = native.step(rows, cos, sin, fused)
+            assert got is not None
+            want = halves_step(native, rows, cos, sin, halves)
+            np.testing.assert_array_equal(np.array(got), np.array(want), f"{name}, step {i} of {length}")
+        assert fused.offset == halves.offset == 10
+        for got, want in zip(fused.state, halves.state, strict=True):
+            np.testing.assert_array_equal(np.array(got), np.array(want), f"{name}: the cached keys and values")
+    # Negative control: the same step over a cache one position short.
+    rows = mx.random.normal((batch, HIDDEN), key=mx.random.key(20))
+    cos, sin = table.slices(fused.offset, 1)
+    halves.trim(1)
+    got, short = native.step(rows, cos, sin, fused), halves_step(native, rows, cos, sin, halves)
+    assert np.abs(np.array(got) - np.array(short)).max() > 1e-3
+
+
+def test_a_blocks_step_writes_its_cache_in_place_only_where_nothing_else_holds_it(kernel):
+    native = NativeBlock.of(packed_block(4, 32, False))
+    table = RopeTable(nn.RoPE(HEAD_DIM, base=10000), HEAD_DIM)
+    cache = KVCache()
+
+    def step(length: int) -> None:
+        rows = mx.random.normal((length, HIDDEN), key=mx.random.key(cache.offset))
+        mx.eval(native.step(rows, *table.slices(cache.offset, length), cache), cache.keys, cache.values)
+
+    step(5)
+    before = buffer_address(cache.keys), buffer_address(cache.values)
+    step(1)
+    assert (buffer_address(cache.keys), buffer_address(cache.values)) == before  # donated: written in place
+    held = cache.keys
+    snapshot = np.array(held)
+    step(1)
+    assert buffer_address(cache.keys) != buffer_address(held)  # held elsewhere: the step wrote a copy
+    np.testing.assert_array_equal(np.array(held), snapshot)
+    np.testing.assert_array_equal(np.array(cache.keys)[:, :, :6], snapshot[:, :, :6])
+    assert np.abs(np.array(cache.keys)[:, :, 6]).max() > 0  # the new position, written into the copy
+
+
+def test_a_blocks_step_refuses_what_it_does_not_take(kernel):
+    native = NativeBlock.of(packed_block(4, 32, False))
+    cos, sin = RopeTable(nn.RoPE(HEAD_DIM, base=10000), HEAD_DIM).slices(0, 2)
+    x = mx.zeros((2, HIDDEN))
+    room = mx.zeros((1, KV_HEADS, 8, HEAD_DIM))
+    arrays = [native.norms[0].weight, *decode_ops._weights(native.into), native.norms[1].weight,
+              *decode_ops._weights(native.out)]
+    assert len(kernel.block_step(x, cos, sin, 0, native.plan, arrays, room, room)) == 3
+    with pytest.raises(ValueError, match="its plan takes"):
+        kernel.block_step(x, cos, sin, 0, native.plan, arrays[:-1], room, room)
+    with pytest.raises(ValueError, match="room for the step"):
+        kernel.block_step(x, cos, sin, 7, native.plan, arrays, room, room)
+    with pytest.raises(ValueError, match="room for the step"):
+        kernel.block_step(x, cos, sin, 0, native.plan, arrays, mx.zeros((1, 1, 8, HEAD_DIM)), room)
+    with pytest.raises(ValueError, match="q, k and v must take"):
+        kernel.block_step(mx.zeros((2, 96)), cos, sin, 0, native.plan, arrays, room, room)
+    # A cache the operation does not write (quantized, another batch): the caller steps by halves.
+    other = KVCache()
+    other.keys = other.values = mx.zeros((3, KV_HEADS, 8, HEAD_DIM))
+    assert native.step(x, cos, sin, other) is None
+
+
 def _operations(out: mx.array) -> list[str]:
     graph = io.StringIO()
     mx.export_to_dot(graph, out)
@@ -248,8 +341,9 @@ def _operations(out: mx.array) -> list[str]:
 
 def test_the_engine_steps_through_the_block_operations(kernel, tmp_path, monkeypatch):
     """A MiMo checkpoint kept packed: its decode steps, verify windows and heads run each
-    block as the two operations, and give the logits MLX's operations give on the same
-    packed weights; a prompt's chunk of more than ROWS_MAX rows stays with MLX's."""
+    block as one block_step, with the bits of the two halves around the cache's update, and
+    give the logits MLX's operations give on the same packed weights; a prompt's chunk of
+    more than ROWS_MAX rows stays with MLX's."""
     from engine.conversion import QuantSpec, convert_checkpoint
     from engine.engine import Engine
     from tests.checkpoints import write
@@ -273,9 +367,16 @@ def test_the_engine_steps_through_the_block_operations(kernel, tmp_path, monkeyp
 
     native = steps()
     operations = step_operations(mx.array([[5]]))
-    assert operations.count("BlockIn") == operations.count("BlockOut") == len(backend.trunk.model.layers)
-    assert "SwiGLU" not in operations
-    assert "BlockIn" not in step_operations(prompt)  # 90 rows: a prompt's chunk
+    assert operations.count("BlockStep") == len(backend.trunk.model.layers)
+    assert "BlockIn" not in operations and "SwiGLU" not in operations
+    assert step_operations(mx.array([[5, 6, 7]])).count("BlockStep") == len(backend.trunk.model.layers)
+    assert "BlockStep" not in step_operations(prompt)  # 90 rows: a prompt's chunk
+
+    with monkeypatch.context() as halves:  # the two halves around the cache's update: the same bits
+        halves.setattr(decode_ops.NativeBlock, "step", lambda *args: None)
+        assert "BlockStep" not in step_operations(mx.array([[5]]))
+        for got, want in zip(native, steps(), strict=True):
+            np.testing.assert_array_equal(np.array(got), np.array(want))
 
     monkeypatch.setattr(decode_ops.NativeBlock, "of", staticmethod(lambda block: None))
     backend._native.clear()

@@ -25,10 +25,12 @@ import math
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache
 
 from engine.quantized_rows import RowsQuantizedLinear, native
 from engine.sampling import softmax
@@ -150,13 +152,15 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | Causal
 
 
 class NativeBlock:
-    """A Llama-style decoder block as the native module's two operations, for decode steps
-    on the CPU: `inputs` (norm, q, k, v, rotary, q's scale) up to the KV cache and `output`
-    (o, residual, norm, gate, up, SwiGLU, down, residual) after the attention. Built from
-    MLX's operations the block was ~43 a layer, each with its dispatch on the Python thread
-    and on the CPU worker: 1,300 a SmolLM2 token (docs/performance.md). `of` says whether a
-    block is one: RMSNorms, the seven linear layers kept packed for the kernel (biases
-    allowed), and either no norms of q and k or RMSNorms of each of their heads (Qwen3)."""
+    """A Llama-style decoder block as the native module's operations, for decode steps on the
+    CPU: `step`, the whole block with its KV cache's update and attention as one, where the
+    cache is mlx-lm's KVCache; otherwise (a batch of rows each at its own position) `inputs`
+    (norm, q, k, v, rotary, q's scale) up to the KV cache and `output` (o, residual, norm,
+    gate, up, SwiGLU, down, residual) after the attention. Built from MLX's operations the
+    block was ~43 a layer, each with its dispatch on the Python thread and on the CPU worker:
+    1,300 a SmolLM2 token; the halves made it ~10, the step one (docs/performance.md). `of`
+    says whether a block is one: RMSNorms, the seven linear layers kept packed for the kernel
+    (biases allowed), and either no norms of q and k or RMSNorms of each of their heads (Qwen3)."""
 
     def __init__(self, block: nn.Module, module: ModuleType):
         attn, mlp = block.self_attn, block.mlp
@@ -168,6 +172,9 @@ class NativeBlock:
         self.out = (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         self.layouts_in = [n for layer in self.into for n in _layout(layer)]
         self.layouts_out = [n for layer in self.out for n in _layout(layer)]
+        head_eps = self.head_norms[0].eps if self.head_norms else 0.0
+        self.plan = (attn.n_heads, attn.n_kv_heads, attn.scale, self.norms[0].eps, self.norms[1].eps, head_eps,
+                     self.head_norms is not None, self.layouts_in, self.layouts_out)  # block_step's settings
 
     @staticmethod
     def of(block: nn.Module) -> NativeBlock | None:
@@ -198,6 +205,41 @@ class NativeBlock:
     def output(self, rows: mx.array, attended: mx.array) -> mx.array:
         norm = self.norms[1]
         return self.module.block_out(rows, attended, norm.weight, norm.eps, _weights(self.out), self.layouts_out)
+
+    def step(self, rows: mx.array, cos: mx.array, sin: mx.array, cache: Any) -> mx.array | None:
+        """Rows [B*L, D] of L new positions through the whole block as one operation, its keys
+        and values written into `cache` (mlx-lm's KVCache, whose buffers the operation is given
+        and writes in place); None where the cache is another kind, or the positions are a
+        prompt's chunk (cpu_attention's BLAS path is faster there): then `inputs`, the cache's
+        own update, cpu_attention and `output`. cos, sin [L, head_dim]."""
+        length = cos.shape[-2]
+        batch = rows.shape[0] // length
+        if length > NATIVE_MAX_POSITIONS or type(cache) is not KVCache or not (
+                cache.keys is None or (cache.keys.dtype == mx.float32 and cache.keys.shape[0] == batch)):
+            return None
+        _make_room(cache, (batch, self.attention.n_kv_heads, length, cos.shape[-1]))
+        head_norms = [n.weight for n in self.head_norms] if self.head_norms else []
+        arrays = [self.norms[0].weight, *head_norms, *_weights(self.into), self.norms[1].weight, *_weights(self.out)]
+        rows, cache.keys, cache.values = self.module.block_step(rows, cos, sin, cache.offset, self.plan, arrays,
+                                                                cache.keys, cache.values)
+        cache.offset += length
+        return rows
+
+
+def _make_room(cache: KVCache, shape: tuple[int, int, int, int]) -> None:
+    """Buffers with room for `shape`'s positions after the cached ones, grown as
+    KVCache.update_and_fetch grows them (a multiple of its step beyond what is kept)."""
+    batch, heads, length, dim = shape
+    kept = cache.offset
+    if cache.keys is not None and kept + length <= cache.keys.shape[2]:
+        return
+    grown = (batch, heads, (length + cache.step - 1) // cache.step * cache.step, dim)
+    keys, values = cache.keys, cache.values
+    if keys is None or values is None or kept == 0:
+        cache.keys, cache.values = mx.zeros(grown), mx.zeros(grown)
+        return
+    cache.keys, cache.values = (mx.concatenate([buffer[..., :kept, :], mx.zeros(grown)], axis=2)
+                                for buffer in (keys, values))
 
 
 def _head_norms_taken(attn: nn.Module) -> bool:

@@ -191,6 +191,10 @@ class MiMoBackend(Backend):
     def _block(self, block: nn.Module, rows: mx.array, step: StepInputs, cache) -> mx.array:
         n = rows.shape[0]
         native = self._native_block(block) if step.on_cpu and n <= ROWS_MAX and rows.dtype == mx.float32 else None
+        if native is not None and not isinstance(step.mask, mx.array):  # one position for every row
+            stepped = native.step(rows, step.cos, step.sin, cache)
+            if stepped is not None:
+                return stepped
         if native is not None:
             q, k, v = native.inputs(rows, step.cos, step.sin, step.cos.shape[-2])
         else:

@@ -36,6 +36,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 
@@ -48,6 +49,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -1251,6 +1253,55 @@ void block_out(const BlockOut& a) {
   for (size_t i = 0; i < size_t(rows) * d; ++i) a.out[i] += h[i];
 }
 
+// ---- a block's step, its KV cache included ---------------------------------------------
+//
+// With each block as the two operations above, a SmolLM2 token was still ~8 of MLX's
+// operations a layer: block_in, the cache's two slice updates and two slices (mlx-lm's
+// update_and_fetch), the attention and block_out. Each costs its dispatch on the Python
+// thread and on MLX's worker, and on two cores the Python thread's ~3 ms a token came out of
+// the kernel's helper. So a block's decode step is one operation: its input half, its new
+// keys and values written into its cache's buffer at `offset`, the attention over the
+// cache, its output half. The arithmetic is that of the halves and the attention, so the
+// results are theirs bit for bit.
+
+struct CacheBuffer {
+  float *keys, *values; // [B, kv_heads, capacity, dim]
+  int capacity;
+};
+
+// k or v [B, kv_heads, L, dim] into positions offset .. offset + L of a cache buffer.
+void store_positions(const BlockIn& a, const float* from, float* buffer, int capacity, int offset) {
+  const size_t run = size_t(a.length) * a.dim;
+  for (int unit = 0; unit < a.batch * a.kv_heads; ++unit)
+    std::memcpy(buffer + (size_t(unit) * capacity + offset) * a.dim, from + unit * run, run * sizeof(float));
+}
+
+// The attention of q [B, heads, L, dim] over a cache's first offset + L positions.
+Attention cached_attention(const BlockIn& a, const CacheBuffer& cache, int offset, const float* q, float* out) {
+  Attention at{};
+  at.q = q, at.k = cache.keys, at.v = cache.values, at.out = out;
+  at.q_strides[0] = int64_t(a.heads) * a.length * a.dim, at.q_strides[1] = int64_t(a.length) * a.dim;
+  at.k_strides[0] = int64_t(a.kv_heads) * cache.capacity * a.dim, at.k_strides[1] = int64_t(cache.capacity) * a.dim;
+  at.q_strides[2] = at.k_strides[2] = a.dim;
+  std::copy(at.k_strides, at.k_strides + 3, at.v_strides);
+  at.batch = a.batch, at.heads = a.heads, at.kv_heads = a.kv_heads, at.length = a.length;
+  at.keys = offset + a.length, at.dim = a.dim, at.causal = a.length > 1;
+  return at;
+}
+
+// The block's rows in `in.x`, out in `out.out`; the cache written at `offset`.
+void block_step(BlockIn in, BlockOut out, const CacheBuffer& cache, int offset) {
+  const size_t rows = size_t(in.batch) * in.length;
+  std::vector<float> q(rows * in.q.n), k(rows * in.k.n), v(rows * in.v.n), attended(q.size());
+  in.q_out = q.data(), in.k_out = k.data(), in.v_out = v.data();
+  block_in(in);
+  store_positions(in, k.data(), cache.keys, cache.capacity, offset);
+  store_positions(in, v.data(), cache.values, cache.capacity, offset);
+  attend(cached_attention(in, cache, offset, q.data(), attended.data()));
+  out.x = in.x, out.attended = attended.data();
+  block_out(out);
+}
+
 // ---- the k largest values of each row -------------------------------------------
 //
 // Top-p sampling seeks its cut among a row's 512 most probable tokens (engine/sampling.py);
@@ -1333,14 +1384,15 @@ class CpuPrimitive : public mx::Primitive {
   }
 
  protected:
-  // Allocates the outputs and queues task(inputs, outputs): a task that reads the arrays itself.
+  // Allocates the outputs (but those given an input's buffer) and queues task(inputs, outputs):
+  // a task that reads the arrays itself.
   template <class Task>
   void dispatch_arrays(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, Task task) {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     std::vector<mx::array> outs;
     for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
+      if (!out.data_shared_ptr()) out.set_data(mx::allocator::malloc(out.nbytes()));
       encoder.set_output_array(out);
       outs.push_back(mx::array::unsafe_weak_copy(out));
     }
@@ -1729,15 +1781,15 @@ std::vector<size_t> check_block_weights(const std::vector<mx::array>& weights, c
 
 int columns_of(const mx::array& w, int bits) { return int(w.shape(1) * 32 / bits); }
 
-std::vector<mx::array> block_in_op(const mx::array& x, const mx::array& norm, float eps, const std::vector<mx::array>& weights,
-                                   const std::vector<int>& layouts, const mx::array& cos, const mx::array& sin, int heads,
-                                   int kv_heads, int length, float scale, const std::vector<mx::array>& head_norms,
-                                   float head_eps) {
+// block_in's inputs checked; returns head_dim.
+int check_block_in(const mx::array& x, const mx::array& norm, const std::vector<mx::array>& weights,
+                   const std::vector<int>& layouts, const mx::array& cos, const mx::array& sin, int heads, int kv_heads,
+                   int length, const std::vector<mx::array>& head_norms) {
   const std::vector<size_t> at = check_block_weights(weights, layouts, 3);
   const mx::array &wq = weights[at[0]], &wk = weights[at[1]], &wv = weights[at[2]];
   require_block(x.dtype() == mx::float32 && x.ndim() == 2 && length > 0 && x.shape(0) % length == 0,
                 "x must be float32 rows [B * L, D]");
-  const int d = x.shape(1), batch = x.shape(0) / length;
+  const int d = x.shape(1);
   for (int i = 0; i < 3; ++i)
     require_block(columns_of(weights[at[i]], layouts[LAYOUT * i + 1]) == d, "q, k and v must take the rows' width");
   require_block(heads > 0 && kv_heads > 0 && wq.shape(0) % heads == 0, "heads must divide q's width");
@@ -1752,6 +1804,28 @@ std::vector<mx::array> block_in_op(const mx::array& x, const mx::array& norm, fl
   require_block(head_norms.empty() || head_norms.size() == 2, "head_norms must be none, or q's and k's");
   for (const mx::array& n : head_norms)
     require_block(n.dtype() == mx::float32 && n.shape() == mx::Shape{dim}, "a head norm must be float32 [head_dim]");
+  return dim;
+}
+
+// block_out's weights checked for rows of width d and attended rows of width `width`.
+void check_block_out(int d, int width, const mx::array& norm, const std::vector<mx::array>& weights,
+                     const std::vector<int>& layouts) {
+  const std::vector<size_t> at = check_block_weights(weights, layouts, 4);
+  const mx::array &wo = weights[at[0]], &wg = weights[at[1]], &wu = weights[at[2]], &wd = weights[at[3]];
+  auto columns = [&](const mx::array& w, int i) { return columns_of(w, layouts[LAYOUT * i + 1]); };
+  require_block(columns(wo, 0) == width && wo.shape(0) == d, "o must take heads x head_dim to D");
+  require_block(columns(wg, 1) == d && columns(wu, 2) == d && wg.shape(0) == wu.shape(0),
+                "gate and up must take D to one width");
+  require_block(columns(wd, 3) == wg.shape(0) && wd.shape(0) == d, "down must take that width back to D");
+  require_block(norm.dtype() == mx::float32 && norm.shape() == mx::Shape{d}, "norm must be float32 [D]");
+}
+
+std::vector<mx::array> block_in_op(const mx::array& x, const mx::array& norm, float eps, const std::vector<mx::array>& weights,
+                                   const std::vector<int>& layouts, const mx::array& cos, const mx::array& sin, int heads,
+                                   int kv_heads, int length, float scale, const std::vector<mx::array>& head_norms,
+                                   float head_eps) {
+  const int dim = check_block_in(x, norm, weights, layouts, cos, sin, heads, kv_heads, length, head_norms);
+  const int batch = x.shape(0) / length;
   std::vector<mx::array> inputs{x, norm, cos, sin};
   inputs.insert(inputs.end(), head_norms.begin(), head_norms.end());
   inputs.insert(inputs.end(), weights.begin(), weights.end());
@@ -1763,23 +1837,151 @@ std::vector<mx::array> block_in_op(const mx::array& x, const mx::array& norm, fl
 
 mx::array block_out_op(const mx::array& x, const mx::array& attended, const mx::array& norm, float eps,
                        const std::vector<mx::array>& weights, const std::vector<int>& layouts) {
-  const std::vector<size_t> at = check_block_weights(weights, layouts, 4);
   require_block(x.dtype() == mx::float32 && x.ndim() == 2, "x must be float32 rows [B * L, D]");
   require_block(attended.dtype() == mx::float32 && attended.ndim() == 4
                     && attended.shape(0) * attended.shape(2) == x.shape(0),
                 "attended must be float32 [B, heads, L, head_dim] with B * L rows of x");
-  const int d = x.shape(1), width = attended.shape(1) * attended.shape(3);
-  const mx::array &wo = weights[at[0]], &wg = weights[at[1]], &wu = weights[at[2]], &wd = weights[at[3]];
-  auto columns = [&](const mx::array& w, int i) { return columns_of(w, layouts[LAYOUT * i + 1]); };
-  require_block(columns(wo, 0) == width && wo.shape(0) == d, "o must take heads x head_dim to D");
-  require_block(columns(wg, 1) == d && columns(wu, 2) == d && wg.shape(0) == wu.shape(0),
-                "gate and up must take D to one width");
-  require_block(columns(wd, 3) == wg.shape(0) && wd.shape(0) == d, "down must take that width back to D");
-  require_block(norm.dtype() == mx::float32 && norm.shape() == mx::Shape{d}, "norm must be float32 [D]");
+  check_block_out(x.shape(1), attended.shape(1) * attended.shape(3), norm, weights, layouts);
   std::vector<mx::array> inputs{x, attended, norm};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   auto primitive = std::make_shared<BlockOutPrimitive>(mx::default_stream(mx::Device::cpu), eps, layouts);
   return mx::array(x.shape(), mx::float32, primitive, std::move(inputs));
+}
+
+// A block's settings for block_step_op (engine/backends/decode_ops.py passes them as a tuple); its
+// arrays are, in order: the input norm, q's and k's head norms where `head_norms`, the weights of
+// q, k and v, the output norm, the weights of o, gate, up and down.
+struct BlockPlan {
+  int heads, kv_heads;
+  float scale, eps_in, eps_out, head_eps;
+  bool head_norms;
+  std::vector<int> layouts_in, layouts_out;
+
+  size_t arrays() const { return 2 + (head_norms ? 2 : 0) + weights(layouts_in) + weights(layouts_out); }
+
+  static size_t weights(const std::vector<int>& layouts) {
+    size_t count = 0;
+    for (size_t i = 0; i + LAYOUT <= layouts.size(); i += LAYOUT) count += layouts[i + 2] ? 4 : 3;
+    return count;
+  }
+
+  using Tuple = std::tuple<int, int, float, float, float, float, bool, std::vector<int>, std::vector<int>>;
+
+  static BlockPlan of(const Tuple& t) {
+    return BlockPlan{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t),
+                     std::get<5>(t), std::get<6>(t), std::get<7>(t), std::get<8>(t)};
+  }
+
+  bool operator==(const BlockPlan& o) const {
+    return heads == o.heads && kv_heads == o.kv_heads && scale == o.scale && eps_in == o.eps_in &&
+           eps_out == o.eps_out && head_eps == o.head_eps && head_norms == o.head_norms &&
+           layouts_in == o.layouts_in && layouts_out == o.layouts_out;
+  }
+};
+
+// Inputs: x, cos, sin, the block's arrays (BlockPlan), its keys and values. Outputs: the rows,
+// then the keys and values: the cache's buffers with the step's positions written, in place
+// where nothing else holds them (as MLX's slice update does), else into a copy.
+class BlockStepPrimitive : public CpuPrimitive {
+ public:
+  BlockStepPrimitive(mx::Stream stream, BlockPlan plan, int offset, int length)
+      : CpuPrimitive(stream), plan_(std::move(plan)), offset_(offset), length_(length) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    // Each output holds its own copy of the inputs (MLX's make_arrays), which would keep the
+    // cache's buffers from being donated; the outputs other than the one evaluated drop theirs
+    // now, as MLX drops them all once the step has run (array::detach).
+    for (auto& out : outputs)
+      if (&out.inputs() != &inputs) out.inputs().clear();
+    const size_t cache = inputs.size() - 2;
+    bool donated[2];
+    for (int i = 0; i < 2; ++i) {
+      const mx::array& old = inputs[cache + i];
+      donated[i] = old.is_donatable() && old.flags().row_contiguous;
+      if (donated[i]) outputs[1 + i].copy_shared_buffer(old);
+    }
+    dispatch_arrays(inputs, outputs, [plan = plan_, offset = offset_, length = length_, cache,
+                                      copy = std::vector<bool>{!donated[0], !donated[1]}](
+                                         const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+      std::vector<std::vector<uint32_t>> copies;
+      const Data data = row_major_data(in, copies);
+      for (int i = 0; i < 2; ++i)
+        if (copy[i]) std::memcpy(out[1 + i].data<float>(), data[cache + i], out[1 + i].nbytes());
+      size_t next = 3;
+      BlockIn a = block_in_of(plan, in, data, next, length);
+      BlockOut o = block_out_of(plan, in, data, next, a);
+      o.out = out[0].data<float>();
+      block_step(a, o, CacheBuffer{out[1].data<float>(), out[2].data<float>(), out[1].shape(2)}, offset);
+    });
+  }
+
+  const char* name() const override { return "BlockStep"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const BlockStepPrimitive&>(other);
+    return plan_ == o.plan_ && offset_ == o.offset_ && length_ == o.length_;
+  }
+
+ private:
+  // The block's input half from its arrays at `next` on; moves `next` past the arrays it read.
+  static BlockIn block_in_of(const BlockPlan& p, const std::vector<mx::array>& in, const Data& data, size_t& next,
+                             int length) {
+    BlockIn a{};
+    a.x = static_cast<const float*>(data[0]);
+    a.cos = static_cast<const float*>(data[1]), a.sin = static_cast<const float*>(data[2]), a.rope_rows = length;
+    a.norm = static_cast<const float*>(data[next++]);
+    if (p.head_norms) {
+      a.q_norm = static_cast<const float*>(data[next++]);
+      a.k_norm = static_cast<const float*>(data[next++]);
+    }
+    const std::vector<Linear> linears = linears_of(in, data, next, p.layouts_in);
+    next += BlockPlan::weights(p.layouts_in);
+    a.q = linears[0], a.k = linears[1], a.v = linears[2];
+    a.eps = p.eps_in, a.head_eps = p.head_eps, a.scale = p.scale, a.length = length;
+    a.batch = in[0].shape(0) / length, a.heads = p.heads, a.kv_heads = p.kv_heads, a.dim = a.q.n / p.heads;
+    return a;
+  }
+
+  static BlockOut block_out_of(const BlockPlan& p, const std::vector<mx::array>& in, const Data& data, size_t& next,
+                               const BlockIn& a) {
+    BlockOut o{};
+    o.norm = static_cast<const float*>(data[next++]);
+    const std::vector<Linear> linears = linears_of(in, data, next, p.layouts_out);
+    o.o = linears[0], o.gate = linears[1], o.up = linears[2], o.down = linears[3];
+    o.eps = p.eps_out, o.batch = a.batch, o.length = a.length, o.heads = a.heads, o.dim = a.dim;
+    return o;
+  }
+
+  BlockPlan plan_;
+  int offset_, length_;
+};
+
+// Rows x [B * L, D] through a block at positions offset .. offset + L - 1 (cos and sin [L,
+// head_dim]), its keys and values written into its cache's buffers [B, kv_heads, capacity,
+// head_dim] at those positions. Returns the rows, the new keys and values.
+std::vector<mx::array> block_step_op(const mx::array& x, const mx::array& cos, const mx::array& sin, int offset,
+                                     const BlockPlan::Tuple& settings, const std::vector<mx::array>& arrays,
+                                     const mx::array& keys, const mx::array& values) {
+  const BlockPlan plan = BlockPlan::of(settings);
+  require_block(cos.ndim() == 2 && offset >= 0, "cos and sin must be [L, head_dim], offset >= 0");
+  const int length = cos.shape(0);
+  require_block(arrays.size() == plan.arrays(),
+                "the block has " + std::to_string(arrays.size()) + " arrays, its plan takes " + std::to_string(plan.arrays()));
+  const size_t first_in = plan.head_norms ? 3 : 1, out_norm = first_in + BlockPlan::weights(plan.layouts_in);
+  const std::vector<mx::array> head_norms(arrays.begin() + 1, arrays.begin() + first_in),
+      weights_in(arrays.begin() + first_in, arrays.begin() + out_norm), weights_out(arrays.begin() + out_norm + 1, arrays.end());
+  const int dim = check_block_in(x, arrays[0], weights_in, plan.layouts_in, cos, sin, plan.heads, plan.kv_heads, length,
+                                 head_norms);
+  check_block_out(x.shape(1), plan.heads * dim, arrays[out_norm], weights_out, plan.layouts_out);
+  for (const mx::array* c : {&keys, &values})
+    require_block(c->dtype() == mx::float32 && c->ndim() == 4 && c->shape(0) * length == x.shape(0)
+                      && c->shape(1) == plan.kv_heads && c->shape(3) == dim && offset + length <= c->shape(2),
+                  "keys and values must be float32 [B, kv_heads, capacity, head_dim] with room for the step");
+  std::vector<mx::array> inputs{x, cos, sin};
+  inputs.insert(inputs.end(), arrays.begin(), arrays.end());
+  inputs.push_back(keys), inputs.push_back(values);
+  auto primitive = std::make_shared<BlockStepPrimitive>(mx::default_stream(mx::Device::cpu), plan, offset, length);
+  return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+                                primitive, inputs);
 }
 
 mx::array dequantize_rows(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
@@ -1841,6 +2043,16 @@ NB_MODULE(_mtplxd_quantized_rows, m) {
         "A Llama-style block's output half on the CPU: h = x + o(attended as rows), then\n"
         "h + down(silu(gate(n)) * up(n)) with n = RMSNorm(h, norm, eps); weights and layouts of o, gate,\n"
         "up and down as for block_in. Returns rows [B * L, D].");
+  m.def("block_step", &block_step_op, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("plan"),
+        nb::arg("arrays"), nb::arg("keys"), nb::arg("values"),
+        "Rows x [B * L, D] through a Llama-style block on the CPU: block_in, the new keys and values written into\n"
+        "the cache's buffers [B, kv_heads, capacity, head_dim] at offset .. offset + L - 1, attention over the first\n"
+        "offset + L positions (causal), block_out. cos, sin [L, head_dim]; the block's plan (heads, kv_heads,\n"
+        "q's scale, the two norms' eps, the head norms' eps, whether it has head norms, the layouts of q, k and v\n"
+        "and of o, gate, up and down as for block_in) and arrays (its\n"
+        "input norm, q's and k's head norms where it has them, q, k and v's weights, its output norm, o, gate, up\n"
+        "and down's weights). Returns the rows, the keys and the values (the buffers, written in place where\n"
+        "nothing else holds them).");
   m.def("kernel", []() { return std::string(level_name(level)); }, "The path in use: avx512, avx2 or portable.");
   m.def("threads", []() { return helpers.size() + 1; }, "Threads a large product runs on, the caller included.");
   m.def("set_threads", [](int threads) { helpers.set_threads(threads); },
