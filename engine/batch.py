@@ -114,6 +114,7 @@ class DecodeBatch:
     # -- rows in and out -------------------------------------------------------------
 
     def join(self, generation: Generation) -> None:
+        generation.settle()  # a queued AR step (Generation._ar_step) back: the batch steps its rows together
         if not batchable(generation):
             raise ValueError("only a decoding generation with plain caches can join a batch")
         if depth_of(generation) != self.depth:
