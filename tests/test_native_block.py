@@ -6,7 +6,8 @@ threads; their refusals; and the engine's steps through them, against the same s
 MLX's operations. Negative controls: the rotation turned the other way, gate and up swapped,
 the residual left out. The whole block's step with its KV cache (block_step) against the
 two halves around mlx-lm's cache update and the attention, bit for bit, its cache written
-in place only where nothing else holds it."""
+in place only where nothing else holds it; so too for a batch's rows, each at its own position
+(mlx-lm's BatchKVCache, left-padded, masked)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen3
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from engine import quantized_rows
 from engine.backends import decode_ops
@@ -289,6 +290,51 @@ def test_a_blocks_step_equals_its_halves_bit_for_bit(kernel, make, batch):
     assert np.abs(np.array(got) - np.array(short)).max() > 1e-3
 
 
+def batch_step_inputs(table: RopeTable, cache: BatchKVCache, length: int) -> tuple[mx.array, mx.array, mx.array]:
+    """cos, sin and the grouped mask of a batch's step, as the MiMo backend builds them."""
+    cos, sin = table.rows(cache.offset, length, cache._idx)
+    mask = cache.make_mask(length, return_array=True)  # [B, 1, L, T]: the left padding and causality
+    return cos, sin, mx.tile(mask, (1, 1, HEADS // KV_HEADS, 1))
+
+
+def halves_batch_step(native: NativeBlock, rows: mx.array, cos: mx.array, sin: mx.array, cache: BatchKVCache,
+                      mask: mx.array) -> mx.array:
+    q, k, v = native.inputs(rows, cos, sin, cos.shape[-2])
+    k, v = cache.update_and_fetch(k, v)
+    return native.output(rows, cpu_attention(q, k, v, mask))
+
+
+@pytest.mark.parametrize("make", [lambda: packed_block(4, 32, False), packed_qwen3_block], ids=["4-bit", "qwen3 head norms"])
+def test_a_batchs_step_equals_its_halves_bit_for_bit(kernel, make):
+    """Three rows left-padded by 2, 0 and 1 (mlx-lm's BatchKVCache: each row at its own rotary
+    position, its padding masked), in steps of 4, 1, 3 and 1 positions: block_step and the
+    halves give the same bits, rows and cache alike, across the cache's growth. Negative
+    control: the mask without the padding's columns masked."""
+    native = NativeBlock.of(make())
+    assert native is not None
+    table = RopeTable(nn.RoPE(HEAD_DIM, base=10000), HEAD_DIM)
+    for name in kernel.paths():
+        kernel.set_kernel(name)
+        fused, halves = BatchKVCache([2, 0, 1]), BatchKVCache([2, 0, 1])
+        fused.step = halves.step = 4
+        for i, length in enumerate((4, 1, 3, 1)):
+            rows = mx.random.normal((3 * length, HIDDEN), key=mx.random.key(30 + i))
+            cos, sin, mask = batch_step_inputs(table, fused, length)
+            got = native.step(rows, cos, sin, fused, mask)
+            assert got is not None
+            want = halves_batch_step(native, rows, cos, sin, halves, mask)
+            np.testing.assert_array_equal(np.array(got), np.array(want), f"{name}, step {i} of {length}")
+        assert fused._idx == halves._idx == 9 and np.array(fused.offset).tolist() == [7, 9, 8]
+        for got, want in zip(fused.state, halves.state, strict=True):
+            np.testing.assert_array_equal(np.array(got), np.array(want), f"{name}: the cache's state")
+    rows = mx.random.normal((3, HIDDEN), key=mx.random.key(40))
+    cos, sin, mask = batch_step_inputs(table, fused, 1)
+    got = native.step(rows, cos, sin, fused, mask)
+    unpadded = native.step(rows, cos, sin, halves, mx.ones_like(mask))
+    assert np.abs(np.array(got[0]) - np.array(unpadded[0])).max() > 1e-3  # row 0 reads its padding otherwise
+    np.testing.assert_array_equal(np.array(got[1]), np.array(unpadded[1]))  # row 1 has none
+
+
 def test_a_blocks_step_writes_its_cache_in_place_only_where_nothing_else_holds_it(kernel):
     native = NativeBlock.of(packed_block(4, 32, False))
     table = RopeTable(nn.RoPE(HEAD_DIM, base=10000), HEAD_DIM)
@@ -327,10 +373,19 @@ def test_a_blocks_step_refuses_what_it_does_not_take(kernel):
         kernel.block_step(x, cos, sin, 0, native.plan, arrays, mx.zeros((1, 1, 8, HEAD_DIM)), room)
     with pytest.raises(ValueError, match="q, k and v must take"):
         kernel.block_step(mx.zeros((2, 96)), cos, sin, 0, native.plan, arrays, room, room)
+    grouped = HEADS // KV_HEADS * 2
+    assert len(kernel.block_step(x, cos, sin, 0, native.plan, arrays, room, room, mx.ones((1, 1, grouped, 2), mx.bool_))) == 3
+    with pytest.raises(ValueError, match="the mask must be"):
+        kernel.block_step(x, cos, sin, 0, native.plan, arrays, room, room, mx.ones((1, 1, grouped, 3), mx.bool_))
+    with pytest.raises(ValueError, match="the mask must be"):
+        kernel.block_step(x, cos, sin, 0, native.plan, arrays, room, room, mx.ones((1, 1, grouped, 2)))
     # A cache the operation does not write (quantized, another batch): the caller steps by halves.
     other = KVCache()
     other.keys = other.values = mx.zeros((3, KV_HEADS, 8, HEAD_DIM))
     assert native.step(x, cos, sin, other) is None
+    batch = BatchKVCache([0])  # a batch's cache without its mask, or a mask of another length
+    assert native.step(x, cos, sin, batch) is None
+    assert native.step(x, cos, sin, batch, mx.ones((1, 1, grouped, 3), mx.bool_)) is None
 
 
 def _operations(out: mx.array) -> list[str]:
@@ -384,6 +439,46 @@ def test_the_engine_steps_through_the_block_operations(kernel, tmp_path, monkeyp
     assert "BlockIn" not in step_operations(mx.array([[5]]))
     for got, want, what in zip(native, library, ("prompt", "verify window", "draft"), strict=True):
         assert_close(np.array(got), np.array(want), PATHS_ULPS, f"{what}: block operations against MLX's")
+
+
+def test_a_batchs_rows_step_through_the_block_operation(kernel, tmp_path, monkeypatch):
+    """Two rows of a batch (prompts of 40 and 25 tokens, left-padded in a BatchKVCache as
+    engine/batch.py merges them): a step and a verify window run each block as one
+    block_step, with the bits of the two halves around the cache's update."""
+    from engine.conversion import QuantSpec, convert_checkpoint
+    from engine.engine import Engine
+    from tests.checkpoints import write
+
+    out = convert_checkpoint(write("mimo", tmp_path / "src", mtp_heads=1), tmp_path / "out", QuantSpec(4, 32)).out
+    backend = Engine.load(out).backend
+    layers = len(backend.trunk.model.layers)
+
+    def batch_cache() -> list[BatchKVCache]:
+        rows = []
+        for length in (40, 25):
+            cache = backend.make_cache()
+            mx.eval(backend.forward(mx.array([[(3 + 7 * i) % 60 for i in range(length)]]), cache)[0])
+            rows.append(cache)
+        return [BatchKVCache.merge(list(layer)) for layer in zip(*rows, strict=True)]
+
+    def steps() -> tuple[list[mx.array], list[str]]:
+        cache = batch_cache()
+        with monkeypatch.context() as lazy:  # the whole step's graph
+            lazy.setattr(mx, "async_eval", lambda *arrays: None)
+            token, _ = backend.forward(mx.array([[5], [6]]), cache)
+            operations = _operations(token)
+        window, _ = backend.forward(mx.array([[5, 9, 11], [6, 2, 8]]), cache)
+        mx.eval(token, window)
+        return [token, window], operations
+
+    fused, operations = steps()
+    assert operations.count("BlockStep") == layers and "BlockIn" not in operations
+    with monkeypatch.context() as halves:
+        halves.setattr(decode_ops.NativeBlock, "step", lambda *args: None)
+        split, operations = steps()
+        assert "BlockStep" not in operations and operations.count("BlockIn") == layers
+    for got, want in zip(fused, split, strict=True):
+        np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
 def test_the_compiled_mlx_halves_agree_with_the_operations(kernel):

@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from engine.quantized_rows import RowsQuantizedLinear, native
 from engine.sampling import softmax
@@ -154,9 +154,9 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | Causal
 class NativeBlock:
     """A Llama-style decoder block as the native module's operations, for decode steps on the
     CPU: `step`, the whole block with its KV cache's update and attention as one, where the
-    cache is mlx-lm's KVCache; otherwise (a batch of rows each at its own position) `inputs`
-    (norm, q, k, v, rotary, q's scale) up to the KV cache and `output` (o, residual, norm,
-    gate, up, SwiGLU, down, residual) after the attention. Built from MLX's operations the
+    cache is mlx-lm's KVCache or BatchKVCache; otherwise (another cache, a prompt's chunk)
+    `inputs` (norm, q, k, v, rotary, q's scale) up to the KV cache and `output` (o, residual,
+    norm, gate, up, SwiGLU, down, residual) after the attention. Built from MLX's operations the
     block was ~43 a layer, each with its dispatch on the Python thread and on the CPU worker:
     1,300 a SmolLM2 token; the halves made it ~10, the step one (docs/performance.md). `of`
     says whether a block is one: RMSNorms, the seven linear layers kept packed for the kernel
@@ -206,31 +206,51 @@ class NativeBlock:
         norm = self.norms[1]
         return self.module.block_out(rows, attended, norm.weight, norm.eps, _weights(self.out), self.layouts_out)
 
-    def step(self, rows: mx.array, cos: mx.array, sin: mx.array, cache: Any) -> mx.array | None:
+    def step(self, rows: mx.array, cos: mx.array, sin: mx.array, cache: Any,
+             mask: mx.array | None = None) -> mx.array | None:
         """Rows [B*L, D] of L new positions through the whole block as one operation, its keys
-        and values written into `cache` (mlx-lm's KVCache, whose buffers the operation is given
-        and writes in place); None where the cache is another kind, or the positions are a
-        prompt's chunk (cpu_attention's BLAS path is faster there): then `inputs`, the cache's
-        own update, cpu_attention and `output`. cos, sin [L, head_dim]."""
+        and values written into `cache`, whose buffers the operation is given and writes in
+        place: mlx-lm's KVCache (every row at one position; cos, sin [L, head_dim]), or its
+        BatchKVCache (rows each at its own position: cos, sin [B, 1, L, head_dim], and the
+        batch's bool mask [B, 1, G*L, T] for the left padding, grouped_mask's form). None where
+        the cache is another kind or the positions are a prompt's chunk (cpu_attention's BLAS
+        path is faster there): then `inputs`, the cache's own update, cpu_attention and `output`."""
         length = cos.shape[-2]
         batch = rows.shape[0] // length
-        if length > NATIVE_MAX_POSITIONS or type(cache) is not KVCache or not (
-                cache.keys is None or (cache.keys.dtype == mx.float32 and cache.keys.shape[0] == batch)):
+        if not _written_by_step(cache, batch, length, mask):
             return None
-        _make_room(cache, (batch, self.attention.n_kv_heads, length, cos.shape[-1]))
+        batched = type(cache) is BatchKVCache
+        kept = cache._idx if batched else cache.offset  # where the step's positions go
+        _make_room(cache, (batch, self.attention.n_kv_heads, length, cos.shape[-1]), kept)
         head_norms = [n.weight for n in self.head_norms] if self.head_norms else []
         arrays = [self.norms[0].weight, *head_norms, *_weights(self.into), self.norms[1].weight, *_weights(self.out)]
-        rows, cache.keys, cache.values = self.module.block_step(rows, cos, sin, cache.offset, self.plan, arrays,
-                                                                cache.keys, cache.values)
-        cache.offset += length
+        if cos.ndim > 2:  # a batch's rows: one row of cos and sin per row and position
+            cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+        rows, cache.keys, cache.values = self.module.block_step(rows, cos, sin, kept, self.plan, arrays,
+                                                                cache.keys, cache.values, mask)
+        cache.offset += length  # BatchKVCache: one per row (an array), as its update_and_fetch adds
+        if batched:
+            cache._idx += length
         return rows
 
 
-def _make_room(cache: KVCache, shape: tuple[int, int, int, int]) -> None:
-    """Buffers with room for `shape`'s positions after the cached ones, grown as
-    KVCache.update_and_fetch grows them (a multiple of its step beyond what is kept)."""
+def _written_by_step(cache: Any, batch: int, length: int, mask: mx.array | None) -> bool:
+    """Whether block_step takes this cache: a KVCache (no mask) or a BatchKVCache with the
+    batch's bool mask over every position after the step, its buffers float32 for the step's rows."""
+    if type(cache) is KVCache:
+        masked_right = mask is None
+    elif type(cache) is BatchKVCache:
+        masked_right = mask is not None and mask.dtype == mx.bool_ and mask.shape[-1] == cache._idx + length
+    else:
+        return False
+    return masked_right and length <= NATIVE_MAX_POSITIONS and (
+        cache.keys is None or (cache.keys.dtype == mx.float32 and cache.keys.shape[0] == batch))
+
+
+def _make_room(cache: KVCache | BatchKVCache, shape: tuple[int, int, int, int], kept: int) -> None:
+    """Buffers with room for `shape`'s positions after the `kept` ones, grown as the cache's
+    update_and_fetch grows them (a multiple of its step beyond what is kept)."""
     batch, heads, length, dim = shape
-    kept = cache.offset
     if cache.keys is not None and kept + length <= cache.keys.shape[2]:
         return
     grown = (batch, heads, (length + cache.step - 1) // cache.step * cache.step, dim)

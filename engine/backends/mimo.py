@@ -182,7 +182,10 @@ class MiMoBackend(Backend):
         if isinstance(cache.offset, mx.array):  # a batch of rows, each at its own position (engine/batch.py)
             cos, sin = rope.rows(cache.offset, length, cache.size())
             mask = create_attention_mask(x, cache, return_array=True)  # [B, 1, L, T]: padding and causality
-            return StepInputs(cos, sin, on_cpu, mx.tile(mask, (1, 1, self.group, 1)) if on_cpu else mask)
+            # Grouped once a step, and laid out in memory here: every block reads it (a broadcast
+            # view would be copied in each block's operation).
+            grouped = mx.contiguous(mx.tile(mask, (1, 1, self.group, 1))) if on_cpu else mask
+            return StepInputs(cos, sin, on_cpu, grouped)
         cos, sin = rope.slices(cache.offset, length)
         if not on_cpu:
             return StepInputs(cos, sin, False, create_attention_mask(x, cache))
@@ -191,8 +194,9 @@ class MiMoBackend(Backend):
     def _block(self, block: nn.Module, rows: mx.array, step: StepInputs, cache) -> mx.array:
         n = rows.shape[0]
         native = self._native_block(block) if step.on_cpu and n <= ROWS_MAX and rows.dtype == mx.float32 else None
-        if native is not None and not isinstance(step.mask, mx.array):  # one position for every row
-            stepped = native.step(rows, step.cos, step.sin, cache)
+        if native is not None:  # a batch's rows carry their mask; rows at one position are causal
+            mask = step.mask if isinstance(step.mask, mx.array) else None
+            stepped = native.step(rows, step.cos, step.sin, cache, mask)
             if stepped is not None:
                 return stepped
         if native is not None:

@@ -170,7 +170,11 @@ void rows512(const Problem& p, const float* x, int j0, int r0) {
         chunk512(p.w + (j0 + r) * row_bytes + c * chunk_bytes, p.bits, table[r], s[r], b[r], w0[r], w1[r]);
       for (int i = 0; i < M; ++i) {
         const float* xi = x + size_t(i) * p.k + c * CHUNK;
-        const __m512 x0 = _mm512_load_ps(xi), x1 = _mm512_load_ps(xi + 16);
+        __m512 x0 = _mm512_load_ps(xi), x1 = _mm512_load_ps(xi + 16);
+        // Loaded once for the R rows of W: left alone, the compiler reads x again in each
+        // multiply-add, and at 8 rows of x those loads bound the loop (harness: 8 rows of a
+        // 4-bit 1,536 x 576 took 224 us so, 178-182 us with x held; 8-bit 1.2x too).
+        if constexpr (R > 1) asm("" : "+v"(x0), "+v"(x1));
         for (int r = 0; r < R; ++r) {
           acc[r][i] = _mm512_fmadd_ps(w0[r], x0, acc[r][i]);
           acc[r][i] = _mm512_fmadd_ps(w1[r], x1, acc[r][i]);
@@ -1276,8 +1280,11 @@ void store_positions(const BlockIn& a, const float* from, float* buffer, int cap
     std::memcpy(buffer + (size_t(unit) * capacity + offset) * a.dim, from + unit * run, run * sizeof(float));
 }
 
-// The attention of q [B, heads, L, dim] over a cache's first offset + L positions.
-Attention cached_attention(const BlockIn& a, const CacheBuffer& cache, int offset, const float* q, float* out) {
+// The attention of q [B, heads, L, dim] over a cache's first offset + L positions: causal, or
+// as `mask` allows (bool [B or 1, 1, G * L, offset + L], `mask_batch` elements a row of the
+// batch, 0 for one mask for all).
+Attention cached_attention(const BlockIn& a, const CacheBuffer& cache, int offset, const float* q, float* out,
+                           const uint8_t* mask, int64_t mask_batch) {
   Attention at{};
   at.q = q, at.k = cache.keys, at.v = cache.values, at.out = out;
   at.q_strides[0] = int64_t(a.heads) * a.length * a.dim, at.q_strides[1] = int64_t(a.length) * a.dim;
@@ -1285,19 +1292,22 @@ Attention cached_attention(const BlockIn& a, const CacheBuffer& cache, int offse
   at.q_strides[2] = at.k_strides[2] = a.dim;
   std::copy(at.k_strides, at.k_strides + 3, at.v_strides);
   at.batch = a.batch, at.heads = a.heads, at.kv_heads = a.kv_heads, at.length = a.length;
-  at.keys = offset + a.length, at.dim = a.dim, at.causal = a.length > 1;
+  at.keys = offset + a.length, at.dim = a.dim, at.causal = !mask && a.length > 1;
+  at.mask = mask, at.mask_batch = mask_batch;
   return at;
 }
 
-// The block's rows in `in.x`, out in `out.out`; the cache written at `offset`.
-void block_step(BlockIn in, BlockOut out, const CacheBuffer& cache, int offset) {
+// The block's rows in `in.x`, out in `out.out`; the cache written at `offset`; `mask` as for
+// cached_attention.
+void block_step(BlockIn in, BlockOut out, const CacheBuffer& cache, int offset, const uint8_t* mask,
+                int64_t mask_batch) {
   const size_t rows = size_t(in.batch) * in.length;
   std::vector<float> q(rows * in.q.n), k(rows * in.k.n), v(rows * in.v.n), attended(q.size());
   in.q_out = q.data(), in.k_out = k.data(), in.v_out = v.data();
   block_in(in);
   store_positions(in, k.data(), cache.keys, cache.capacity, offset);
   store_positions(in, v.data(), cache.values, cache.capacity, offset);
-  attend(cached_attention(in, cache, offset, q.data(), attended.data()));
+  attend(cached_attention(in, cache, offset, q.data(), attended.data(), mask, mask_batch));
   out.x = in.x, out.attended = attended.data();
   block_out(out);
 }
@@ -1366,12 +1376,14 @@ const T* row_major(const mx::array& a, std::vector<T>& copy) {
 // buffers alive until it has run.
 using Data = std::vector<const void*>;
 
-// The arrays' elements in row-major order (4-byte elements): their own buffers, or copies
-// kept in `copies` for strided ones.
-Data row_major_data(const std::vector<mx::array>& arrays, std::vector<std::vector<uint32_t>>& copies) {
-  copies.resize(arrays.size());
-  Data data(arrays.size());
-  for (size_t i = 0; i < arrays.size(); ++i) data[i] = row_major(arrays[i], copies[i]);
+// The first `count` arrays' elements (all where none is given) in row-major order (4-byte
+// elements): their own buffers, or copies kept in `copies` for strided ones.
+Data row_major_data(const std::vector<mx::array>& arrays, std::vector<std::vector<uint32_t>>& copies,
+                    size_t count = SIZE_MAX) {
+  count = std::min(count, arrays.size());
+  copies.resize(count);
+  Data data(count);
+  for (size_t i = 0; i < count; ++i) data[i] = row_major(arrays[i], copies[i]);
   return data;
 }
 
@@ -1879,13 +1891,14 @@ struct BlockPlan {
   }
 };
 
-// Inputs: x, cos, sin, the block's arrays (BlockPlan), its keys and values. Outputs: the rows,
-// then the keys and values: the cache's buffers with the step's positions written, in place
-// where nothing else holds them (as MLX's slice update does), else into a copy.
+// Inputs: x, cos, sin, the block's arrays (BlockPlan), its keys and values, then the mask where
+// there is one. Outputs: the rows, then the keys and values: the cache's buffers with the
+// step's positions written, in place where nothing else holds them (as MLX's slice update
+// does), else into a copy.
 class BlockStepPrimitive : public CpuPrimitive {
  public:
-  BlockStepPrimitive(mx::Stream stream, BlockPlan plan, int offset, int length)
-      : CpuPrimitive(stream), plan_(std::move(plan)), offset_(offset), length_(length) {}
+  BlockStepPrimitive(mx::Stream stream, BlockPlan plan, int offset, int length, bool masked)
+      : CpuPrimitive(stream), plan_(std::move(plan)), offset_(offset), length_(length), masked_(masked) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     // Each output holds its own copy of the inputs (MLX's make_arrays), which would keep the
@@ -1893,32 +1906,36 @@ class BlockStepPrimitive : public CpuPrimitive {
     // now, as MLX drops them all once the step has run (array::detach).
     for (auto& out : outputs)
       if (&out.inputs() != &inputs) out.inputs().clear();
-    const size_t cache = inputs.size() - 2;
+    const size_t cache = inputs.size() - 2 - masked_;
     bool donated[2];
     for (int i = 0; i < 2; ++i) {
       const mx::array& old = inputs[cache + i];
       donated[i] = old.is_donatable() && old.flags().row_contiguous;
       if (donated[i]) outputs[1 + i].copy_shared_buffer(old);
     }
-    dispatch_arrays(inputs, outputs, [plan = plan_, offset = offset_, length = length_, cache,
+    dispatch_arrays(inputs, outputs, [plan = plan_, offset = offset_, length = length_, cache, masked = masked_,
                                       copy = std::vector<bool>{!donated[0], !donated[1]}](
                                          const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       std::vector<std::vector<uint32_t>> copies;
-      const Data data = row_major_data(in, copies);
+      const Data data = row_major_data(in, copies, cache + 2);
+      std::vector<uint8_t> mask_copy;
+      const uint8_t* mask = masked ? row_major(in.back(), mask_copy) : nullptr;
+      const int64_t mask_batch = masked && in.back().shape(0) > 1 ? int64_t(in.back().size() / in.back().shape(0)) : 0;
       for (int i = 0; i < 2; ++i)
         if (copy[i]) std::memcpy(out[1 + i].data<float>(), data[cache + i], out[1 + i].nbytes());
       size_t next = 3;
       BlockIn a = block_in_of(plan, in, data, next, length);
       BlockOut o = block_out_of(plan, in, data, next, a);
       o.out = out[0].data<float>();
-      block_step(a, o, CacheBuffer{out[1].data<float>(), out[2].data<float>(), out[1].shape(2)}, offset);
+      block_step(a, o, CacheBuffer{out[1].data<float>(), out[2].data<float>(), out[1].shape(2)}, offset, mask,
+                 mask_batch);
     });
   }
 
   const char* name() const override { return "BlockStep"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const BlockStepPrimitive&>(other);
-    return plan_ == o.plan_ && offset_ == o.offset_ && length_ == o.length_;
+    return plan_ == o.plan_ && offset_ == o.offset_ && length_ == o.length_ && masked_ == o.masked_;
   }
 
  private:
@@ -1927,7 +1944,7 @@ class BlockStepPrimitive : public CpuPrimitive {
                              int length) {
     BlockIn a{};
     a.x = static_cast<const float*>(data[0]);
-    a.cos = static_cast<const float*>(data[1]), a.sin = static_cast<const float*>(data[2]), a.rope_rows = length;
+    a.cos = static_cast<const float*>(data[1]), a.sin = static_cast<const float*>(data[2]), a.rope_rows = in[1].shape(0);
     a.norm = static_cast<const float*>(data[next++]);
     if (p.head_norms) {
       a.q_norm = static_cast<const float*>(data[next++]);
@@ -1953,17 +1970,21 @@ class BlockStepPrimitive : public CpuPrimitive {
 
   BlockPlan plan_;
   int offset_, length_;
+  bool masked_;
 };
 
-// Rows x [B * L, D] through a block at positions offset .. offset + L - 1 (cos and sin [L,
-// head_dim]), its keys and values written into its cache's buffers [B, kv_heads, capacity,
-// head_dim] at those positions. Returns the rows, the new keys and values.
+// Rows x [B * L, D] through a block at positions offset .. offset + L - 1 of its cache's buffers
+// [B, kv_heads, capacity, head_dim], its keys and values written there (cos and sin [L or B * L,
+// head_dim]: each row's own positions, for a batch of rows); the attention causal, or as `mask`
+// allows (bool [B or 1, 1, G * L, offset + L]: a batch's rows, left-padded). Returns the rows,
+// the new keys and values.
 std::vector<mx::array> block_step_op(const mx::array& x, const mx::array& cos, const mx::array& sin, int offset,
                                      const BlockPlan::Tuple& settings, const std::vector<mx::array>& arrays,
-                                     const mx::array& keys, const mx::array& values) {
+                                     const mx::array& keys, const mx::array& values, std::optional<mx::array> mask) {
   const BlockPlan plan = BlockPlan::of(settings);
-  require_block(cos.ndim() == 2 && offset >= 0, "cos and sin must be [L, head_dim], offset >= 0");
-  const int length = cos.shape(0);
+  require_block(x.ndim() == 2 && keys.ndim() == 4 && keys.shape(0) > 0 && x.shape(0) % keys.shape(0) == 0 && offset >= 0,
+                "x must be rows [B * L, D] for keys [B, kv_heads, capacity, head_dim], offset >= 0");
+  const int length = x.shape(0) / keys.shape(0);
   require_block(arrays.size() == plan.arrays(),
                 "the block has " + std::to_string(arrays.size()) + " arrays, its plan takes " + std::to_string(plan.arrays()));
   const size_t first_in = plan.head_norms ? 3 : 1, out_norm = first_in + BlockPlan::weights(plan.layouts_in);
@@ -1973,13 +1994,20 @@ std::vector<mx::array> block_step_op(const mx::array& x, const mx::array& cos, c
                                  head_norms);
   check_block_out(x.shape(1), plan.heads * dim, arrays[out_norm], weights_out, plan.layouts_out);
   for (const mx::array* c : {&keys, &values})
-    require_block(c->dtype() == mx::float32 && c->ndim() == 4 && c->shape(0) * length == x.shape(0)
-                      && c->shape(1) == plan.kv_heads && c->shape(3) == dim && offset + length <= c->shape(2),
+    require_block(c->dtype() == mx::float32 && c->shape(0) * length == x.shape(0) && c->shape(1) == plan.kv_heads
+                      && c->shape(3) == dim && offset + length <= c->shape(2),
                   "keys and values must be float32 [B, kv_heads, capacity, head_dim] with room for the step");
+  if (mask)
+    require_block(mask->dtype() == mx::bool_ && mask->ndim() == 4 && (mask->shape(0) == 1 || mask->shape(0) == keys.shape(0))
+                      && mask->shape(1) == 1 && mask->shape(2) == plan.heads / plan.kv_heads * length
+                      && mask->shape(3) == offset + length,
+                  "the mask must be bool [B or 1, 1, G * L, offset + L]");
   std::vector<mx::array> inputs{x, cos, sin};
   inputs.insert(inputs.end(), arrays.begin(), arrays.end());
   inputs.push_back(keys), inputs.push_back(values);
-  auto primitive = std::make_shared<BlockStepPrimitive>(mx::default_stream(mx::Device::cpu), plan, offset, length);
+  if (mask) inputs.push_back(*mask);
+  auto primitive = std::make_shared<BlockStepPrimitive>(mx::default_stream(mx::Device::cpu), plan, offset, length,
+                                                        mask.has_value());
   return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
                                 primitive, inputs);
 }
@@ -2044,10 +2072,11 @@ NB_MODULE(_mtplxd_quantized_rows, m) {
         "h + down(silu(gate(n)) * up(n)) with n = RMSNorm(h, norm, eps); weights and layouts of o, gate,\n"
         "up and down as for block_in. Returns rows [B * L, D].");
   m.def("block_step", &block_step_op, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("plan"),
-        nb::arg("arrays"), nb::arg("keys"), nb::arg("values"),
+        nb::arg("arrays"), nb::arg("keys"), nb::arg("values"), nb::arg("mask") = nb::none(),
         "Rows x [B * L, D] through a Llama-style block on the CPU: block_in, the new keys and values written into\n"
         "the cache's buffers [B, kv_heads, capacity, head_dim] at offset .. offset + L - 1, attention over the first\n"
-        "offset + L positions (causal), block_out. cos, sin [L, head_dim]; the block's plan (heads, kv_heads,\n"
+        "offset + L positions (causal, or where mask, bool [B or 1, 1, G * L, offset + L], is True), block_out.\n"
+        "cos, sin [L or B * L, head_dim]; the block's plan (heads, kv_heads,\n"
         "q's scale, the two norms' eps, the head norms' eps, whether it has head norms, the layouts of q, k and v\n"
         "and of o, gate, up and down as for block_in) and arrays (its\n"
         "input norm, q's and k's head norms where it has them, q, k and v's weights, its output norm, o, gate, up\n"
