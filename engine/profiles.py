@@ -13,8 +13,8 @@ daemon's own background calibration) measures AR against MTP at each depth
 and temperature, and the result is stored per model and machine in
 `<state_dir>/calibration.json` (engine/calibration_store.py). `Calibration.choose`
 then takes the fastest measured configuration within the profile's depth limit, and
-AR whenever no MTP depth beat AR: a profile is never slower than plain decoding on
-the machine it was measured on.
+AR whenever no MTP depth beat AR by a clear margin (MTP_MARGIN): a profile is never
+slower than plain decoding on the machine it was measured on.
 
 Plain Python, no MLX: the adapters and the settings read the profile names here.
 """
@@ -36,10 +36,10 @@ MEASURED_SAMPLERS = {key: SamplerSettings(temperature=t, top_p=0.95 if t > 0 els
 # Batched decoding is measured at this one temperature, at these batch sizes.
 BATCH_TEMPERATURE = "t0.6"
 MEASURED_BATCH_SIZES = (2, 4, 8)
-# Batched MTP must beat batched AR by this much to be chosen: the short background
-# measurement varies by +-10-15% on a busy machine, and on a near-tie plain AR is the
-# better bet (its step time does not depend on acceptance, its caches need no cutting).
-BATCH_MTP_MARGIN = 1.1
+# MTP must beat AR by this much to be chosen, for one row and for a batch: the short
+# background measurement varies by +-10-15% on a busy machine, and on a near-tie plain AR
+# is the better bet (its step time does not depend on acceptance, its caches need no cutting).
+MTP_MARGIN = 1.1
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class Calibration:
         if not allowed:
             return DepthChoice("mtp", profile.default_depth, None, "default")
         depth, speedup = max(allowed.items(), key=lambda kv: (kv[1], -kv[0]))
-        if speedup <= 1.0:
+        if speedup <= MTP_MARGIN:
             return DepthChoice("ar", 0, speedup, "measured")
         return DepthChoice("mtp", depth, speedup, "measured")
 
@@ -135,7 +135,7 @@ class Calibration:
             return None
         nearest = min(self.batched, key=lambda b: (abs(b - rows), -b))
         speedup = self.batched[nearest].get(depth)
-        return None if speedup is None else speedup > BATCH_MTP_MARGIN
+        return None if speedup is None else speedup > MTP_MARGIN
 
     def to_json(self) -> dict:
         return {"speedups": {t: {str(d): s for d, s in by.items()} for t, by in self.speedups.items()},

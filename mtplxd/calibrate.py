@@ -2,9 +2,11 @@
 
 On the first start of a model on a machine there is no stored measurement
 (engine/profiles.py), so the daemon queues one CalibrateJob at background
-priority. It runs the same held-out prompt as AR and as MTP at each depth, at
+priority. It runs held-out prompts as AR and as MTP at each depth, at
 temperature 0 and 0.6 (A B A B over rounds, like `mtplxd bench`), one decode
-step per scheduler turn, so editors and agents never wait behind it. Then the
+step per scheduler turn, so editors and agents never wait behind it. Each round
+takes the next prompt: acceptance, and so MTP's speed, differs much from one
+prompt to another, and one prompt's luck must not decide for every request. Then the
 same at 2, 4 and 8 rows decoding in one batch (engine/batch.py), batched AR
 against batched MTP, from which batch size plain AR is faster. Only the job's
 own steps are timed, so requests interleaved with it do not skew the figures.
@@ -23,14 +25,16 @@ from engine.generation import Generation, GenerationRequest
 from engine.profiles import BATCH_TEMPERATURE, MEASURED_BATCH_SIZES, MEASURED_SAMPLERS, Calibration
 from mtplxd.requests import Priority
 
+ROUNDS = 2  # each with its own prompt
+
 
 @dataclass(frozen=True)
 class CalibrateRequest:
-    prompt_ids: tuple[int, ...]
+    prompts: tuple[tuple[int, ...], ...]  # token ids; round r decodes prompts[r % len(prompts)]
     depths: tuple[int, ...] = (1, 2, 3)
     batch_sizes: tuple[int, ...] = MEASURED_BATCH_SIZES
     max_tokens: int = 32
-    rounds: int = 2
+    rounds: int = ROUNDS
     priority: Priority = Priority.BACKGROUND
     workspace: str | None = None  # never banked; present for the scheduler's bookkeeping
 
@@ -42,6 +46,8 @@ class Calibrated:
 
 # One timed decode: (temperature key, mode, depth); depth 0 for AR.
 _Run = tuple[str, Literal["ar", "mtp"], int]
+# A timed decode's prompt is the round's: (round, run).
+_Scheduled = tuple[int, _Run]
 # One timed batch: (rows, depth); depth 0 for AR.
 _BatchRun = tuple[int, int]
 UNTIMED_BATCH_STEPS = 3
@@ -58,7 +64,7 @@ class CalibrateJob:
     request: CalibrateRequest
     engine: Engine
     finished: bool = False
-    _runs: list[_Run] = field(default_factory=list)
+    _runs: list[_Scheduled] = field(default_factory=list)
     _timings: dict[_Run, _Timing] = field(default_factory=dict)
     _current: Generation | None = None
     _batch_runs: list[_BatchRun] = field(default_factory=list)
@@ -70,10 +76,10 @@ class CalibrateJob:
 
     def __post_init__(self) -> None:
         depths = [d for d in self.request.depths if d >= 1] if self.engine.backend.n_heads else []
-        for _ in range(self.request.rounds):
+        for round_ in range(self.request.rounds):
             for key in MEASURED_SAMPLERS:
                 for depth in depths:  # AR right before each depth: machine noise hits both alike
-                    self._runs += [(key, "ar", 0), (key, "mtp", depth)]
+                    self._runs += [(round_, (key, "ar", 0)), (round_, (key, "mtp", depth))]
         for round_ in range(self.request.rounds):
             for rows in self.request.batch_sizes:
                 for depth in depths:  # A B, then B A: a drift of the machine's speed hits both alike
@@ -87,9 +93,9 @@ class CalibrateJob:
                 return []
             self.finished = True
             return [Calibrated(self._calibration())]
-        run = self._runs[0]
+        round_, run = self._runs[0]
         if self._current is None:
-            self._current = self._open(run)
+            self._current = self._open(run, self._prompt(round_))
             self._current.step()  # the prompt and the first token: not decode speed
             return []
         started = time.perf_counter()
@@ -108,7 +114,7 @@ class CalibrateJob:
         token, untimed), or time one batched step of all of them."""
         rows, depth = run = self._batch_runs[0]
         if len(self._opened) < rows:
-            generation = self._open((BATCH_TEMPERATURE, "mtp" if depth else "ar", depth))
+            generation = self._open((BATCH_TEMPERATURE, "mtp" if depth else "ar", depth), self._prompt(0))
             generation.step()
             self._opened.append(generation)
             return
@@ -147,17 +153,21 @@ class CalibrateJob:
             generation.close()
         self._opened = []
 
-    def _open(self, run: _Run) -> Generation:
+    def _prompt(self, round_: int) -> tuple[int, ...]:
+        return self.request.prompts[round_ % len(self.request.prompts)]
+
+    def _open(self, run: _Run, prompt: tuple[int, ...]) -> Generation:
         key, mode, depth = run
         return self.engine.open(GenerationRequest(
-            prompt=self.request.prompt_ids, sampler=MEASURED_SAMPLERS[key], mode=mode, depth=max(depth, 1),
-            max_tokens=self.request.max_tokens, seed=0, prefill_chunk=len(self.request.prompt_ids)))
+            prompt=prompt, sampler=MEASURED_SAMPLERS[key], mode=mode, depth=max(depth, 1),
+            max_tokens=self.request.max_tokens, seed=0, prefill_chunk=len(prompt)))
 
     def _calibration(self) -> Calibration:
         speeds: dict[tuple[str, str, int], float] = {
             run: t.tokens / t.seconds for run, t in self._timings.items() if t.seconds > 0}
         r = self.request
-        detail = f"daemon calibration: {len(r.prompt_ids)}-token prompt, {r.rounds} rounds x {r.max_tokens} tokens"
+        detail = (f"daemon calibration: {min(r.rounds, len(r.prompts))} prompts, {r.rounds} rounds x "
+                  f"{r.max_tokens} tokens")
         calibration = Calibration.from_speeds(speeds, time.time(), detail)
         for rows, depth in {run for run in self._batch_timings if run[1]}:
             pair = [(rows, 0), (rows, depth)]
@@ -170,11 +180,10 @@ class CalibrateJob:
         return calibration
 
 
-def calibration_prompt(engine: Engine, max_tokens: int = 512) -> tuple[int, ...]:
-    """The opening of a held-out standard-library module (mtplxd bench's first prompt)."""
-    texts = held_out_prompts(1) or ["def main(argv):\n    "]
-    ids = engine.tokenizer.encode(texts[0])
-    return tuple(ids[-max_tokens:])
+def calibration_prompts(engine: Engine, count: int, max_tokens: int = 512) -> tuple[tuple[int, ...], ...]:
+    """The openings of `count` held-out standard-library modules (mtplxd bench's first prompts)."""
+    texts = held_out_prompts(count) or ["def main(argv):\n    "]
+    return tuple(tuple(engine.tokenizer.encode(text)[-max_tokens:]) for text in texts)
 
 
 def held_out_prompts(n: int, chars: int = 1200) -> list[str]:

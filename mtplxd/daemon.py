@@ -37,7 +37,7 @@ import uvicorn
 
 from engine.calibration_store import CalibrationStore
 from mtplxd import state_dir as layout
-from mtplxd.calibrate import Calibrated, CalibrateRequest, calibration_prompt
+from mtplxd.calibrate import ROUNDS, Calibrated, CalibrateRequest, calibration_prompts
 from mtplxd.config import Settings
 from mtplxd.loader import load_model
 from mtplxd.requests import Failed
@@ -254,7 +254,7 @@ class Daemon:
         calibrations = self.scheduler.calibrations
         if engine is None or calibrations is None:  # no model, or nowhere to store a measurement
             return
-        request = CalibrateRequest(calibration_prompt(engine), max_tokens=self.settings.calibrate_tokens)
+        request = CalibrateRequest(calibration_prompts(engine, ROUNDS), max_tokens=self.settings.calibrate_tokens)
         log.info("calibrating: AR against MTP depths 1-3 at background priority")
         try:
             async for event in self.scheduler.submit(request):
