@@ -280,7 +280,7 @@ def test_heads_only_on_a_mimo_trunk(corpus, tmp_path):
     assert inspect_checkpoint(src).status == "ar-only"
     out = tmp_path / "out"
     result = train_heads(HeadsSettings(model=str(src), out=str(out), corpus=str(corpus), steps=80, **HEADS_TINY))
-    assert result.history[-1]["loss"] < 0.3 * result.history[0]["loss"]
+    assert result.history[-1]["loss"] < 0.5 * result.history[0]["loss"]  # from the trunk's last block
     report = inspect_checkpoint(out)
     assert (report.family, report.status, report.mtp_heads) == ("mimo", "supported", 2)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
@@ -410,6 +410,38 @@ def test_continued_windows_are_the_trunks_own_greedy_text(tmp_path):
                  "continued log-probabilities")
 
 
+def test_new_heads_start_as_the_trunks_last_block(tmp_path):
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from engine.training.heads import start_from_last_block
+
+    trunk = Engine.load(write("mimo", tmp_path / "src", mtp_heads=0)).backend.trunk
+    args = trunk.args
+    plain = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=args.hidden_size, num_hidden_layers=2,
+                                        intermediate_size=args.intermediate_size,
+                                        num_attention_heads=args.num_attention_heads,
+                                        num_key_value_heads=args.num_key_value_heads, rms_norm_eps=args.rms_norm_eps,
+                                        vocab_size=args.vocab_size, tie_word_embeddings=True))
+    for source in (trunk, plain):  # MiMo's attention has q/k/v biases, Llama's none
+        mx.random.seed(0)
+        layer = MTPLayer(args)
+        start_from_last_block(layer, source)
+        want = dict(tree_flatten(source.model.layers[-1].parameters()))
+        got = dict(tree_flatten(layer.parameters()))
+        for name, value in got.items():
+            if name in want:
+                assert mx.array_equal(value, want[name].astype(mx.float32)), name
+            elif name.endswith("_proj.bias"):
+                assert not mx.any(value).item(), name  # the source has none
+        assert mx.array_equal(layer.final_layernorm.weight, source.model.norm.weight.astype(mx.float32))
+        # the fusion adds its two normed inputs
+        h, e = mx.random.normal((1, 3, args.hidden_size)), mx.random.normal((1, 3, args.hidden_size))
+        assert_close(layer.fuse(h, e), layer.hidden_layernorm(h) + layer.token_layernorm(e), FEW_OPS_ULPS, "fusion")
+    fresh = MTPLayer(args)  # control: a new layer's own weights are not the trunk's
+    assert not mx.array_equal(fresh.mlp.up_proj.weight, layer.mlp.up_proj.weight)
+
+
 def test_heads_trained_on_continued_windows(corpus, tmp_path):
     src = write("mimo", tmp_path / "src", mtp_heads=0)
     out = tmp_path / "out"
@@ -418,7 +450,7 @@ def test_heads_trained_on_continued_windows(corpus, tmp_path):
                                   steps=1, **HEADS_TINY))
     result = train_heads(HeadsSettings(model=str(src), out=str(out), corpus=str(corpus), windows=0, continued=24,
                                        steps=80, **HEADS_TINY))
-    assert result.history[-1]["loss"] < 0.3 * result.history[0]["loss"]
+    assert result.history[-1]["loss"] < 0.5 * result.history[0]["loss"]  # from the trunk's last block
     eng = Engine.load(out)
     _assert_mtp_is_ar(eng, PROMPTS[1], 16)
     trained = measure_acceptance(eng, PROMPTS, depth=2, n_tokens=32)

@@ -7,6 +7,8 @@ distribution at position p+k+1, minimising KL(trunk || head). The frozen trunk
 runs once over the corpus and its outputs are kept (engine/training/trunk_cache.py:
 hidden states and the top-k of each distribution over a draft vocabulary), so an
 epoch costs the heads alone: on a real trunk the trunk's forward was most of a step.
+A new head starts as the trunk's last block (`start_from_last_block`), not from
+random weights.
 
 Why KL to the full distribution rather than CE to the trunk's argmax: the
 verifier accepts a draft with probability min(1, p/q), so the acceptance rate
@@ -56,7 +58,7 @@ from mlx_lm.models.cache import KVCache
 from engine.backends.base import Backend
 from engine.backends.descriptors import InspectReport, head_key_predicate, inspect_checkpoint
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY
-from engine.backends.mimo import HEAD_PREFIX, MiMoBackend, mimo_config
+from engine.backends.mimo import HEAD_PREFIX, MiMoBackend, MTPLayer, mimo_config
 from engine.checkpoint import (
     CheckpointError, read_config, read_header, text_config, weight_keys, write_safetensors_subset,
 )
@@ -495,6 +497,8 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corp
     for layer, old in zip(model.mtp_layers, engine_.backend.heads):  # --replace-heads: start from them
         layer.update(old.parameters())
         layer.set_dtype(mx.float32)
+    for layer in model.mtp_layers[len(engine_.backend.heads):]:
+        start_from_last_block(layer, trunk)
     mx.eval(model.parameters())
     say(f"training {model.n_heads} head(s) on {len(outputs)} cached windows")
 
@@ -551,6 +555,29 @@ def _held_agreement(model: CachedHeads, held: TrunkOutputs, continued: TrunkOutp
         agree = model.agreement(continued, mx.arange(len(continued)), continuation_shape(seq_len)[0])
         found.update({f"head{k + 1}_agree_continued": a for k, a in enumerate(agree)})
     return found
+
+
+def start_from_last_block(layer: MTPLayer, trunk: nn.Module) -> None:
+    """A new head starts as the trunk's last block (its norms, attention and MLP; the
+    trunk's final norm after it), its fusion adding the two normed inputs. After the same
+    1,200 steps SmolLM2's heads agreed with the trunk on its own continuations 0.615 / 0.659
+    of the time from here, 0.610 / 0.609 from random weights, and their depth-1 acceptance
+    on held-out code rose from 0.642 to 0.668 (docs/performance.md). Parts the head's block
+    lacks (Qwen3's q/k norms) are left out."""
+    block = trunk.model.layers[-1]
+    for part in ("self_attn", "mlp"):
+        for name, linear in getattr(layer, part).children().items():
+            source = getattr(getattr(block, part), name, None)
+            if not isinstance(linear, nn.Linear) or source is None:
+                continue
+            linear.weight = _dense(source)
+            if "bias" in linear:
+                linear.bias = source.bias.astype(mx.float32) if "bias" in source else mx.zeros_like(linear.bias)
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        getattr(layer, name).weight = getattr(block, name).weight.astype(mx.float32)
+    layer.final_layernorm.weight = trunk.model.norm.weight.astype(mx.float32)
+    eye = mx.eye(layer.input_proj.weight.shape[0], dtype=mx.float32)
+    layer.input_proj.weight = mx.concatenate([eye, eye], axis=1)
 
 
 def _dense(layer: nn.Module) -> mx.array:
