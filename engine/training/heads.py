@@ -7,8 +7,7 @@ distribution at position p+k+1, minimising KL(trunk || head). The frozen trunk
 runs once over the corpus and its outputs are kept (engine/training/trunk_cache.py:
 hidden states and the top-k of each distribution over a draft vocabulary), so an
 epoch costs the heads alone: on a real trunk the trunk's forward was most of a step.
-A new head starts as the trunk's last block (`start_from_last_block`), not from
-random weights.
+New heads start as the trunk's last block (`start_from_last_block`).
 
 Why KL to the full distribution rather than CE to the trunk's argmax: the
 verifier accepts a draft with probability min(1, p/q), so the acceptance rate
@@ -576,8 +575,7 @@ def start_from_last_block(layer: MTPLayer, trunk: nn.Module) -> None:
     for name in ("input_layernorm", "post_attention_layernorm"):
         getattr(layer, name).weight = getattr(block, name).weight.astype(mx.float32)
     layer.final_layernorm.weight = trunk.model.norm.weight.astype(mx.float32)
-    eye = mx.eye(layer.input_proj.weight.shape[0], dtype=mx.float32)
-    layer.input_proj.weight = mx.concatenate([eye, eye], axis=1)
+    layer.input_proj.weight = mx.tile(mx.eye(layer.input_proj.weight.shape[0], dtype=mx.float32), (1, 2))
 
 
 def _dense(layer: nn.Module) -> mx.array:
