@@ -272,7 +272,11 @@ class DecodeBatch:
 
     def _add_drafts(self, logits: mx.array, groups: list[_Group], drafts: list, q: list, exact: bool,
                     checks: list) -> None:
-        tokens, probs, group_checks = _draw_rows(groups, logits, self._next_keys(), exact)
+        vocab = self.backend.draft_vocab  # as Generation._add_draft: drawn on the heads' vocabulary
+        rows = logits if vocab is None else vocab.compact(logits)
+        tokens, probs, group_checks = _draw_rows(groups, rows, self._next_keys(), exact)
+        if vocab is not None:
+            tokens, probs = vocab.token(tokens), [vocab.spread(p) for p in probs]
         drafts.append(tokens)
         q.append(probs)
         checks += group_checks

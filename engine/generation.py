@@ -184,7 +184,7 @@ class Generation:
     def _prefill_chunk(self) -> StepResult:
         start = self._fed
         chunk = self.request.prompt[start : start + self.request.prefill_chunk]
-        logits, hidden = self.backend.forward(mx.array([chunk]), self.cache)
+        logits, hidden = self.backend.forward(mx.array([chunk]), self.cache, last=True)
         self._fed += len(chunk)
         self._queue_trunk_hidden(hidden)
         self._log_hidden(hidden)
@@ -367,7 +367,10 @@ class Generation:
         return self.backend.ranks.decide(mx.concatenate(drafts))[0], q, head_inputs
 
     def _add_draft(self, logits: mx.array, drafts: list, q: list, exact: bool) -> None:
-        token, probs = self._draw(logits, self._next_key(), exact)  # probs [1, V], or None when greedy
+        vocab = self.backend.draft_vocab  # q is zero outside it: filtered and drawn on it alone
+        token, probs = self._draw(logits if vocab is None else vocab.compact(logits), self._next_key(), exact)
+        if vocab is not None:
+            token, probs = vocab.token(token), vocab.spread(probs)  # probs [1, V], or None when greedy
         drafts.append(token)
         q.append(probs)
 

@@ -151,6 +151,21 @@ def caches_excess(got: list, want: list, ulps: float, what: str = "") -> float:
     return worst
 
 
+def assert_last_logits_match(backend, tokens: mx.array, ulps: float) -> None:
+    """`forward(..., last=True)` (a prompt's last chunk) gives the last position's logits
+    of the whole forward, the same hidden states and caches; a negative control: the
+    position before it is far outside the bound."""
+    whole_cache, last_cache = backend.make_cache(), backend.make_cache()
+    whole, whole_hidden = backend.forward(tokens, whole_cache)
+    last, last_hidden = backend.forward(tokens, last_cache, last=True)
+    assert last.shape == (tokens.shape[0], 1, whole.shape[-1])
+    assert_close(last[:, 0], whole[:, -1], ulps, "last position's logits")
+    assert excess(last[:, 0], whole[:, -2], ulps, "the position before") > 1
+    if whole_hidden is not None:
+        assert_close(last_hidden, whole_hidden, ulps, "hidden states")
+    assert_caches_close(last_cache, whole_cache, ulps)
+
+
 # -- the decode kernels (tests/conftest.py: --few-rows-kernel) -------------------------
 # One choice sets both: the BLAS shim's few-row kernel for float weights and the
 # quantized-rows kernel's path (engine/quantized_rows.py) for quantized ones.

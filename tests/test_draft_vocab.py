@@ -18,9 +18,11 @@ import pytest
 import engine.generation
 from engine.backends.draft_vocab import DRAFT_VOCAB_KEY, DraftVocabulary
 from engine.engine import Engine
+from engine.sampling import SamplerSettings, probabilities
+from engine.speculative import sample
 from tests.checkpoints import write
 from tests.engine_helpers import assert_greedy_agree, greedy, run
-from tests.floats import FEW_OPS_ULPS, assert_close
+from tests.floats import FEW_OPS_ULPS, assert_close, excess
 from tests.test_engine_exactness import (
     PROMPT, SAMPLERS, broken_verify, chi_square_pvalue, exact_joint, sampled_counts,
 )
@@ -41,6 +43,36 @@ def test_rows_equal_the_lm_head_plain_and_quantized():
         assert_close(got[..., ids], full[..., ids], FEW_OPS_ULPS, "draft rows")
     compiled = mx.compile(lambda x: draft.logits(x), inputs=draft.rows)
     assert bool(mx.array_equal(compiled(h), draft.logits(h)).item())
+
+
+@pytest.mark.parametrize("settings", [
+    SamplerSettings(temperature=0.6, top_p=0.95), SamplerSettings(temperature=1.0, top_k=20),
+    SamplerSettings(temperature=1.0, top_k=500), SamplerSettings(temperature=0.8, min_p=0.05),
+    SamplerSettings(temperature=0.0)], ids=str)
+def test_a_draft_drawn_on_the_vocabulary_alone_is_the_full_rows_draw(settings):
+    """Filtered on the subset's scores and spread back, a draft's q is the full row's
+    (its -inf elsewhere) within a few roundings, and the same key draws the same token.
+    top_k=500 keeps more than the subset holds. A control: q of another row is far off."""
+    vocab_size, ids = 1024, mx.array(np.sort(np.random.default_rng(0).choice(1024, 300, replace=False)))
+    draft = DraftVocabulary(ids, vocab_size)
+    scores = mx.random.normal((1, 300), key=mx.random.key(2)) * 3
+    full = _on_vocabulary(scores, ids, vocab_size)
+    want = probabilities(full, settings)
+    got = draft.spread(probabilities(draft.compact(full), settings))
+    assert_close(got, want, FEW_OPS_ULPS, "q on the subset")
+    other = _on_vocabulary(mx.roll(scores, 1, axis=-1), ids, vocab_size)
+    assert excess(got, probabilities(other, settings), FEW_OPS_ULPS, "another row's q") > 1
+    for seed in range(200):
+        key = mx.random.key(seed)
+        on_subset = draft.token(sample(probabilities(draft.compact(full), settings), key))
+        assert on_subset.item() == sample(want, key).item()
+
+
+def _on_vocabulary(scores: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
+    """A head's logits row: the scores at ids, -inf elsewhere."""
+    row = np.full((1, vocab_size), -np.inf, dtype=np.float32)
+    row[0, np.array(ids)] = np.array(scores[0])
+    return mx.array(row)
 
 
 def test_rows_follow_the_lm_head_when_it_is_replaced():

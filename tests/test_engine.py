@@ -12,6 +12,7 @@ from engine.sampling import SamplerSettings
 from tests.engine_helpers import (
     assert_caches_close,
     assert_greedy_agree,
+    assert_last_logits_match,
     available_families,
     caches_excess,
     feed_one_by_one,
@@ -34,6 +35,12 @@ def test_greedy_mtp_equals_ar(tmp_path, family, depth):
     assert len(ar) == len(mtp) == 72
     assert sum(r.drafted for r in results) > 0
     assert_greedy_agree(engine_.backend, PROMPT, ar, mtp)
+
+
+@pytest.mark.parametrize("family", available_families())
+def test_a_prompts_last_chunk_scores_its_last_position_only(tmp_path, family):
+    engine_ = load_family(tmp_path, family, mtp_heads=1)
+    assert_last_logits_match(engine_.backend, mx.array([PROMPT]), PATHS_ULPS)
 
 
 @pytest.mark.parametrize("family", available_families())
@@ -160,9 +167,9 @@ def test_decode_steps_run_on_one_blas_thread_and_prefill_on_all(tmp_path):
     seen: list[tuple[int, int | None]] = []
     forward = eng.backend.forward
 
-    def spy(tokens, cache, tape=None):
+    def spy(tokens, cache, tape=None, last=False):
         seen.append((tokens.shape[1], set_threads(None)))
-        return forward(tokens, cache, tape)
+        return forward(tokens, cache, tape, last)
 
     eng.backend.forward = spy
     before = set_threads(2)

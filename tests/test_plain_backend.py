@@ -17,6 +17,7 @@ from engine import quantized_rows
 from engine.backends import plain
 from engine.backends.decode_ops import NativeBlock
 from engine.backends.mimo import MiMoBackend
+from tests.engine_helpers import assert_last_logits_match
 from tests.floats import PATHS_ULPS, assert_close, excess
 from tests.gguf_fixtures import TinyModel, tiny_model
 
@@ -115,3 +116,9 @@ def test_other_trunks_stay_on_mlx_lms_model(arch, change):
     model = tiny_model(arch)
     on_mlx_lm = loaded(model, **change)
     assert isinstance(on_mlx_lm, plain.PlainBackend) and on_mlx_lm.family == model.config["model_type"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_a_prompts_last_chunk_scores_its_last_position_only(arch):
+    """On MiMo's path (llama, qwen3) and on mlx-lm's own model (gemma3)."""
+    assert_last_logits_match(loaded(tiny_model(arch)), mx.array([[1, 5, 9, 3, 7, 2, 11, 4]]), PATHS_ULPS)

@@ -73,23 +73,25 @@ def test_the_paths_this_machine_should_have(kernel):
 
 def test_helper_threads_change_nothing(kernel):
     """A large product is split by weight rows over helper threads, the attention of a
-    step of many rows by (row, KV head); each output is still computed by one thread
-    with the same code: bitwise the same result."""
+    step of many rows by (row, KV head), a prompt chunk's causal softmax by rows; each
+    output is still computed by one thread with the same code: bitwise the same result."""
     packed = weights(1000, 1024, 4, 64)
     x = mx.random.normal((8, 1024), key=mx.random.key(5))
     q = mx.random.normal((8, 8, 1, 64), key=mx.random.key(6)) * 0.3
     k, v = (mx.random.normal((8, 4, 600, 64), key=mx.random.key(s)) for s in (7, 8))
+    scores = mx.random.normal((1, 3, 3 * 64, 600), key=mx.random.key(9)) * 4  # 64 new positions after 536
     threads = kernel.threads()
     try:
-        products, attended = [], []
+        products, attended, softmaxed = [], [], []
         for n in (1, 2, 3):
             kernel.set_threads(n)
             assert kernel.threads() == n
             products.append(np.array(kernel.quantized_rows(x, *packed, 64, 4)))
             attended.append(np.array(kernel.attention(q, k, v)))
+            softmaxed.append(np.array(kernel.softmax(scores, 64, 536)))
     finally:
         kernel.set_threads(threads)
-    for results in (products, attended):
+    for results in (products, attended, softmaxed):
         np.testing.assert_array_equal(results[0], results[1])
         np.testing.assert_array_equal(results[0], results[2])
     assert_close(products[0], reference(x, packed, 4, 64), DOT_ULPS, "split over threads")

@@ -5,8 +5,12 @@ that mlx-lm's `sanitize` throws away. The generation loop (engine/generation.py)
 only ever calls the methods below, so the whole speculative machinery is
 family-agnostic:
 
-    forward(tokens, cache, tape)   trunk forward: logits and the hidden states
-                                   the first MTP head consumes
+    forward(tokens, cache, tape, last)
+                                   trunk forward: logits and the hidden states
+                                   the first MTP head consumes; with last=True,
+                                   logits of the last position only (a prompt's
+                                   chunk needs no more: its LM head over every
+                                   position was a fifth of a SmolLM2 prefill)
     head(k, hidden, tokens, cache, last)
                                    MTP head k on (hidden_i, token_{i+k+1}) pairs;
                                    with last=True, logits of the last pair only
@@ -23,7 +27,7 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,6 +36,9 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 from engine.checkpoint import CheckpointError
 from engine.distributed import Ranks, shard_trunk
 from engine.quantized import quantize_like_checkpoint
+
+if TYPE_CHECKING:
+    from engine.backends.draft_vocab import DraftVocabulary
 
 # Set while converting a checkpoint: parameters stay lazy (memory-mapped from the
 # safetensors files) so that a model larger than memory streams through
@@ -81,6 +88,7 @@ class Backend:
     # Whether the heads' linear layers are only ever called, never read as `.weight`: then
     # the CPU kernel may pack them (engine/quantized_rows.py, pack_heads).
     packable_heads: bool = False
+    draft_vocab: DraftVocabulary | None = None  # heads that score only some tokens (draft_vocab.py)
 
     def __init__(self, trunk: nn.Module, heads: list[nn.Module]):
         self.trunk = trunk
@@ -105,7 +113,7 @@ class Backend:
         return [KVCache() for _ in self.heads]
 
     def forward(
-        self, tokens: mx.array, cache: list[Any], tape: Tape | None = None
+        self, tokens: mx.array, cache: list[Any], tape: Tape | None = None, last: bool = False
     ) -> tuple[mx.array, mx.array]:
         raise NotImplementedError
 

@@ -602,9 +602,9 @@ class DeepseekV4Backend(Backend):
     def make_cache(self):
         return [KVCache() for _ in self.trunk.layers]
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         x = self.trunk.streams(tokens, cache)
-        return self.trunk.logits(x, self.trunk), _flat(x)
+        return self.trunk.logits(x[:, -1:] if last else x, self.trunk), _flat(x)
 
     def head(self, k, hidden, tokens, cache, last=False):
         head, args = self.heads[k], self.trunk.args

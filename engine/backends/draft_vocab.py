@@ -8,7 +8,10 @@ and the head then reads only those rows.
 
 Exactness is untouched: the head's distribution q is zero outside the subset (its logits
 there are -inf), which the speculative rule handles like any other q; a token outside is
-never drafted, only produced by the trunk.
+never drafted, only produced by the trunk. So a sampled draft is filtered and drawn on
+the subset's scores alone (`compact`, then `token` and `spread` back): every filter
+(temperature, top-k, top-p, min-p) gives the tokens outside zero mass either way, and a
+6x shorter row is cheaper to filter (SmolLM2 at T=0.6: a depth-2 cycle 20.1 against 20.6 ms).
 """
 
 from __future__ import annotations
@@ -60,9 +63,25 @@ class DraftVocabulary:
             group_size, bits = self._quantization
             scores = quantized_matmul(h, self.rows["weight"], self.rows["scales"], self.rows["biases"],
                                       group_size, bits)
-        full = mx.full((*scores.shape[:-1], self.vocab_size), -mx.inf, dtype=scores.dtype)
-        index = mx.broadcast_to(self.rows["ids"], scores.shape)
-        return mx.put_along_axis(full, index, scores, axis=-1)
+        return self._scatter(scores, -mx.inf)
+
+    def compact(self, logits: mx.array) -> mx.array:
+        """Full-vocabulary logits [..., vocab_size] -> the subset's [..., len(ids)]."""
+        return mx.take(logits, self.rows["ids"], axis=-1)
+
+    def token(self, index: mx.array) -> mx.array:
+        """Indices into the subset -> token ids."""
+        return self.rows["ids"][index]
+
+    def spread(self, probs: mx.array | None) -> mx.array | None:
+        """A distribution over the subset [..., len(ids)] -> over the vocabulary, zero
+        elsewhere (None, a greedy draw's, stays None)."""
+        return None if probs is None else self._scatter(probs, 0.0)
+
+    def _scatter(self, values: mx.array, fill: float) -> mx.array:
+        full = mx.full((*values.shape[:-1], self.vocab_size), fill, dtype=values.dtype)
+        index = mx.broadcast_to(self.rows["ids"], values.shape)
+        return mx.put_along_axis(full, index, values, axis=-1)
 
     @property
     def ids(self) -> mx.array:

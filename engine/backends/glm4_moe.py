@@ -50,14 +50,14 @@ class MTPLayer(glm4_moe.DecoderLayer):
 class Glm4MoeBackend(Backend):
     family = "glm4_moe"
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         model = self.trunk.model
         h = model.embed_tokens(tokens)
         mask = create_attention_mask(h, cache[0])
         for layer, c in zip(model.layers, cache):
             h = layer(h, mask, c)
         h = model.norm(h)
-        return self.trunk.lm_head(h), h
+        return self.trunk.lm_head(h[:, -1:] if last else h), h
 
     def head(self, k, hidden, tokens, cache, last=False):
         h = self.heads[k](hidden, self.trunk.model.embed_tokens(tokens), cache)

@@ -144,14 +144,14 @@ class GlmMoeDsaBackend(Backend):
     def make_cache(self):
         return [KVCache() for _ in self.trunk.model.layers]
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         model = self.trunk.model
         h = model.embed_tokens(tokens)
         mask = _mask(h, cache[0])
         for layer, c in zip(model.layers, cache):
             h = block(layer, h, mask, c)
         h = model.norm(h)
-        return self.trunk.lm_head(h), h
+        return self.trunk.lm_head(h[:, -1:] if last else h), h
 
     def head(self, k, hidden, tokens, cache, last=False):
         h = self.heads[k](hidden, self.trunk.model.embed_tokens(tokens), cache)

@@ -288,10 +288,10 @@ class HYV3Backend(Backend):
     family = "hy_v3"
     head_input = HEAD_INPUT
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         h = self.trunk.hidden(tokens, cache)
         normed = self.trunk.model.norm(h)
-        return self.trunk.logits(normed), normed if self.head_input == "normed" else h
+        return self.trunk.logits(normed[:, -1:] if last else normed), normed if self.head_input == "normed" else h
 
     def head(self, k, hidden, tokens, cache, last=False):
         head = self.heads[k]

@@ -132,10 +132,10 @@ class MiMoBackend(Backend):
         self._compiled: dict[tuple[str, int], Callable] = {}
         self._native: dict[int, NativeBlock | None] = {}
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         model = self.trunk.model
         h = self._run(model.layers, model.embed_tokens(tokens), cache)
-        return self._output(model.norm, h)
+        return self._output(model.norm, h, last)
 
     def shard(self, group) -> str:
         """mlx-lm has no split for MiMo: each block's MLP is split over the ranks, and

@@ -74,7 +74,7 @@ class MimoV2FlashBackend(Backend):
     def make_cache(self):
         return [KVCache() for _ in self.trunk.model.layers]
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         model = self.trunk.model
         h = model.embed_tokens(tokens)
         full = create_attention_mask(h, cache[0])
@@ -82,7 +82,7 @@ class MimoV2FlashBackend(Backend):
         for layer, c in zip(model.layers, cache):
             h = layer(h, window if layer.is_sliding_window else full, c)
         h = model.norm(h)
-        return self.trunk.lm_head(h), h
+        return self.trunk.lm_head(h[:, -1:] if last else h), h
 
     def head(self, k, hidden, tokens, cache, last=False):
         h = self.heads[k](hidden, self.trunk.model.embed_tokens(tokens), cache)

@@ -95,7 +95,7 @@ class NemotronHBackend(Backend):
         # cache index -> the layer it belongs to.
         self.cached_layers = [i for i, layer in enumerate(trunk.layers) if layer.block_type in "M*"]
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         model = self.trunk.backbone
         h = model.embeddings(tokens)
         kinds = [model.layers[i].block_type for i in self.cached_layers]
@@ -119,7 +119,7 @@ class NemotronHBackend(Backend):
                 r = layer.mixer(x)
             h = h + r
         h = model.norm_f(h)
-        return self.trunk.lm_head(h), h
+        return self.trunk.lm_head(h[:, -1:] if last else h), h
 
     def head(self, k, hidden, tokens, cache, last=False):
         h = self.heads[k](hidden, self.trunk.backbone.embeddings(tokens), cache)

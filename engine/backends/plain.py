@@ -30,8 +30,9 @@ class PlainBackend(Backend):
         self.heads = []
         self.vocab_size = int(getattr(trunk.args, "vocab_size", 0))
 
-    def forward(self, tokens: mx.array, cache, tape: Tape | None = None):
-        return self.trunk(tokens, cache=cache), None
+    def forward(self, tokens: mx.array, cache, tape: Tape | None = None, last: bool = False):
+        logits = self.trunk(tokens, cache=cache)  # mlx-lm's whole model: its own output head
+        return (logits[:, -1:] if last else logits), None
 
 
 def load(folder: Path, config: dict, weights: dict) -> Backend:

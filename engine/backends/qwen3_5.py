@@ -77,7 +77,7 @@ class Qwen3_5Backend(Backend):
             return self.text.model.embed_tokens.as_linear(h)
         return self.text.lm_head(h)
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         model = self.text.model
         h = model.embed_tokens(tokens)
         fa_mask = create_attention_mask(h, cache[model.fa_idx])
@@ -96,7 +96,7 @@ class Qwen3_5Backend(Backend):
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = model.norm(h)
-        return self._lm_head(h), h
+        return self._lm_head(h[:, -1:] if last else h), h
 
     def head(self, k, hidden, tokens, cache, last=False):
         h = self.heads[k](hidden, self.text.model.embed_tokens(tokens), cache)

@@ -88,7 +88,7 @@ class Qwen3NextBackend(Backend):
         """mlx-lm has no tensor-parallel split for Qwen3-Next: its layers are split instead."""
         return pipeline_trunk(self.trunk.model, self.family, group)
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         model = self.trunk.model
         h = model.embed_tokens(tokens)
         # On several ranks this rank holds only some layers (a pipeline); cache is theirs.
@@ -109,7 +109,7 @@ class Qwen3NextBackend(Backend):
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = model.norm(pass_stage(model, h, cache))
-        return self._lm_head(h), h
+        return self._lm_head(h[:, -1:] if last else h), h
 
     def head(self, k, hidden, tokens, cache, last=False):
         h = self.heads[k](hidden, self.trunk.model.embed_tokens(tokens), cache)

@@ -84,14 +84,14 @@ class Step3p5Backend(Backend):
     def make_cache(self):
         return [KVCache() for _ in self.trunk.model.layers]
 
-    def forward(self, tokens, cache, tape: Tape | None = None):
+    def forward(self, tokens, cache, tape: Tape | None = None, last: bool = False):
         model = self.trunk.model
         h = model.embed_tokens(tokens)
         full = create_attention_mask(h, cache[0])
         window = create_attention_mask(h, cache[0], window_size=self.trunk.args.sliding_window)
         for layer, c in zip(model.layers, cache):
             h = layer(h, window if layer.is_sliding else full, c)
-        return self.trunk.lm_head(model.norm(h)), h
+        return self.trunk.lm_head(model.norm(h[:, -1:] if last else h)), h
 
     def head(self, k, hidden, tokens, cache, last=False):
         head = self.heads[k]

@@ -859,12 +859,22 @@ float softmax_row(const float* x, float* out, int n) {
 // positions after `offset` cached ones, repeated (heads): row r's query reads the
 // first offset + r % causal + 1 keys, and the rest of its row is 0. No mask to build
 // or read, and the masked scores are never exponentiated.
+//
+// A prompt chunk's scores (9 million a SmolLM2 layer for 512 tokens after 1,500) are split
+// by rows over the helper threads; each row is one thread's, so the result is the same.
+constexpr size_t SOFTMAX_PARALLEL_MIN = size_t(1) << 16; // scores; a sampling row stays on one thread
+
 void softmax_rows(const float* x, float* out, size_t rows, int n, int causal, int offset) {
-  for (size_t r = 0; r < rows; ++r) {
-    int reads = causal > 0 ? std::min(n, offset + int(r % causal) + 1) : n;
-    softmax_row(x + r * n, out + r * n, reads);
-    std::fill(out + r * n + reads, out + (r + 1) * n, 0.0f);
-  }
+  auto rows_from = [=](size_t first, size_t end) {
+    for (size_t r = first; r < end; ++r) {
+      int reads = causal > 0 ? std::min(n, offset + int(r % causal) + 1) : n;
+      softmax_row(x + r * n, out + r * n, reads);
+      std::fill(out + r * n + reads, out + (r + 1) * n, 0.0f);
+    }
+  };
+  const size_t threads = size_t(helpers.size()) + 1;
+  if (threads == 1 || rows < 2 * threads || rows * size_t(n) < SOFTMAX_PARALLEL_MIN) return rows_from(0, rows);
+  helpers.run([&](int slice) { rows_from(slice * rows / threads, (slice + 1) * rows / threads); });
 }
 
 // ---- attention over a few new positions ---------------------------------------------

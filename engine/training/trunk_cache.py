@@ -123,7 +123,7 @@ def continued_outputs(backend, lm_rows: mx.array, prompts: np.ndarray, new_token
     for i in range(0, len(prompts), batch):
         tokens = [mx.array(prompts[i:i + batch].astype(np.int32))]
         cache = backend.make_cache()
-        logits, h = backend.forward(tokens[0], cache)
+        logits, h = backend.forward(tokens[0], cache, last=True)
         hidden = [h]
         for _ in range(new_tokens - 1):
             tokens.append(logits[:, -1:].argmax(axis=-1).astype(mx.int32))

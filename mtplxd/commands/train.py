@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     import engine  # noqa: F401  (the fast BLAS before MLX)
     from engine import train
     from engine.checkpoint import CheckpointError
+    from engine.training.freed_memory import keep_freed_memory
+
+    keep_freed_memory()  # this process only trains: the same large arrays every step
 
     given = {
         "corpus": args.corpus, "vocab": args.vocab, "layers": args.layers, "hidden": args.hidden,
