@@ -147,6 +147,30 @@ def test_fast_losses_match_mlx():
 
 
 
+@pytest.mark.parametrize("native_softmax", [True, False])
+def test_topk_cross_entropy_is_the_log_softmax_one(native_softmax, monkeypatch):
+    from engine.training import model
+
+    if not native_softmax:  # MLX's own ops, as on a GPU or without the built module
+        monkeypatch.setattr("engine.sampling.native", lambda: None)
+    logits = mx.random.normal((2, 5, 300), key=mx.random.key(0)) * 4
+    top = mx.argpartition(mx.random.normal((2, 5, 300), key=mx.random.key(1)), -8, axis=-1)[..., -8:]
+    p = mx.softmax(mx.random.normal((2, 5, 8), key=mx.random.key(2)), axis=-1) * 0.9  # mass left out
+    weights = mx.random.normal((2, 5), key=mx.random.key(3))
+
+    def reference(z, ids):
+        logq = z - mx.logsumexp(z, axis=-1, keepdims=True)
+        return -(p * mx.take_along_axis(logq, ids, axis=-1)).sum(axis=-1)
+
+    ours = lambda z: (model.topk_cross_entropy(z, top, p) * weights).sum()  # noqa: E731
+    theirs = lambda z: (reference(z, top) * weights).sum()  # noqa: E731
+    # log-sum-exps over 300 logits and sums of 8 products: a few reordered float32 sums
+    assert_close(model.topk_cross_entropy(logits, top, p), reference(logits, top), DOT_ULPS, "loss")
+    assert_close(mx.grad(ours)(logits), mx.grad(theirs)(logits), DOT_ULPS, "gradient")
+    # control: the mass on other ids is another loss, far outside the bound
+    assert excess(model.topk_cross_entropy(logits, top, p), reference(logits, (top + 1) % 300), DOT_ULPS) > 1
+
+
 def test_training_attention_matches_the_fused_kernel_values_and_gradients():
     from engine.training.model import unfused_attention
 
@@ -408,6 +432,55 @@ def test_continued_windows_are_the_trunks_own_greedy_text(tmp_path):
     assert excess(got[:, 1:], want[:, :-1], f16, "continued hidden, shifted one position") > 1
     assert_close(np.array(out.top_logp, dtype=np.float32), np.array(again.top_logp, dtype=np.float32), f16,
                  "continued log-probabilities")
+
+
+def test_cached_heads_loss_is_the_log_softmax_one(tmp_path):
+    from mlx_lm.models import mimo
+
+    from engine.training.trunk_cache import CachedHeads, TrunkOutputs
+
+    trunk = Engine.load(write("mimo", tmp_path / "src", mtp_heads=0)).backend.trunk
+    vocab, D, S, K = trunk.args.vocab_size, trunk.args.hidden_size, 12, 4
+    embed = trunk.model.embed_tokens.weight.astype(mx.float32)
+    mx.random.seed(0)
+    heads = CachedHeads(mimo.ModelArgs.from_dict(vars(trunk.args)), 2, embed, embed)
+    keys = mx.random.split(mx.random.key(4), 4)
+    tokens = mx.random.randint(0, vocab, (3, S + 1), key=keys[0]).astype(mx.int32)
+    hidden = mx.random.normal((3, S, D), key=keys[1]).astype(mx.float16)
+    top_ids = mx.argpartition(mx.random.normal((3, S, vocab), key=keys[2]), -K, axis=-1)[..., -K:].astype(mx.int32)
+    top_logp = mx.log(mx.softmax(mx.random.normal((3, S, K), key=keys[3]), axis=-1) * 0.8).astype(mx.float16)
+    outputs = TrunkOutputs(tokens, hidden, top_ids, top_logp, mx.full(3, 7, mx.int32))
+
+    def by_hand(targets):
+        p = mx.exp(top_logp.astype(mx.float32))
+        losses = []
+        for k, skip, logits in heads.heads_logits(hidden.astype(mx.float32), tokens):
+            n = logits.shape[1]
+            logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            picked = mx.take_along_axis(logq, targets[:, k + 1:k + 1 + n], axis=-1)
+            losses.append(-(p[:, k + 1:k + 1 + n] * picked).sum(-1).mean())
+        return mx.stack(losses)
+
+    _, per_head = heads.loss(outputs, mx.arange(3))
+    assert_close(per_head, by_hand(top_ids), DOT_ULPS, "per-head loss")
+    assert excess(per_head, by_hand((top_ids + 1) % vocab), DOT_ULPS) > 1  # control: other targets
+    # the agreement counts the trunk's own tokens (from `first` on) only
+    agree = heads.agreement(outputs, mx.arange(3))
+    for k, skip, logits in heads.heads_logits(hidden.astype(mx.float32), tokens, 7):
+        assert skip == 7 - k - 2 and logits.shape[1] == S - k - 1 - skip
+        greedy = mx.take_along_axis(top_ids, top_logp.argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        want = (logits.argmax(axis=-1) == greedy[:, 7 - 1:7 - 1 + logits.shape[1]]).astype(mx.float32).mean()
+        assert agree[k] == pytest.approx(want.item())
+
+
+def test_heads_time_budget_counts_the_trunks_first_pass(corpus, tmp_path):
+    src = write("mimo", tmp_path / "src", mtp_heads=0)
+    settings = HeadsSettings(model=str(src), out=str(tmp_path / "out"), corpus=str(corpus), windows=0, continued=8,
+                             steps=50, max_minutes=1e-5, **{**HEADS_TINY, "warmup": 0})
+    result = train_heads(settings)
+    # 0.6 ms went to loading and the trunk's continuations: one step, at the decayed rate
+    assert result.step == 1
+    assert result.history[0]["lr"] == pytest.approx(settings.lr * 0.1)
 
 
 def test_new_heads_start_as_the_trunks_last_block(tmp_path):

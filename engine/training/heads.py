@@ -104,7 +104,7 @@ class HeadsSettings:
     # step multiplies thousands of rows by the head's weights and the draft vocabulary's: on 2
     # cores SmolLM2's step took 1.9 s on two threads against 2.7 s on one (docs/performance.md).
     threads: int | None = None
-    max_minutes: float | None = None  # a time budget: stop and save when spent
+    max_minutes: float | None = None  # the command's time budget (the first stage too): stop and save when spent
     # A checkpoint that has heads: distil them further, starting from their weights
     # (joint training leaves heads that agree with the trunk less than distilled ones).
     replace_heads: bool = False
@@ -357,6 +357,7 @@ def _encoder(folder: Path, engine_):
 def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) -> trainer.TrainResult:
     from engine.engine import Engine
 
+    loop = _loop(settings, began=time.perf_counter())  # the time budget counts the first stage too
     out = Path(settings.out)
     saved = trainer.check_run_state(out, "heads", resume)
     s = settings
@@ -398,7 +399,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     mx.random.seed(s.seed)
     if not own:
         corpus = CorpusTokens(stream, held_windows(s, encoder, fim_rate, fim_order, eos), corpus_info)
-        return _train_cached(s, config, dtype, engine_, corpus, resume, callback, say)
+        return _train_cached(s, loop, config, dtype, engine_, corpus, resume, callback, say)
     model = FamilyHeads(engine_.backend, report, src)
     weights = (1.0,) * model.n_heads
 
@@ -428,7 +429,7 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
         describe=_describe(s, corpus_info, config, dtype),
         evaluate=evaluate,
     )
-    return trainer.run(job, _loop(s), resume=resume, callback=callback)
+    return trainer.run(job, loop, resume=resume, callback=callback)
 
 
 def _describe(s: HeadsSettings, corpus_info: dict, config: dict, dtype: mx.Dtype) -> dict:
@@ -437,10 +438,10 @@ def _describe(s: HeadsSettings, corpus_info: dict, config: dict, dtype: mx.Dtype
             "head_dtype": next(k for k, v in _DTYPES.items() if v == dtype)}
 
 
-def _loop(s: HeadsSettings) -> trainer.LoopSettings:
+def _loop(s: HeadsSettings, began: float) -> trainer.LoopSettings:
     return trainer.LoopSettings(steps=s.steps, lr=s.lr, warmup=s.warmup, save_every=s.save_every,
                                 compile=s.compile, progress=s.progress, threads=s.threads,
-                                max_minutes=s.max_minutes)
+                                max_minutes=s.max_minutes, budget_began=began)
 
 
 def held_windows(s: HeadsSettings, encoder, fim_rate: float, fim_order: str, eos) -> mx.array | None:
@@ -460,8 +461,8 @@ class CorpusTokens:
     info: dict  # the corpus manifest, for state.json
 
 
-def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corpus: CorpusTokens, resume: bool,
-                  callback, say) -> trainer.TrainResult:
+def _train_cached(s: HeadsSettings, loop: trainer.LoopSettings, config: dict, dtype: mx.Dtype, engine_,
+                  corpus: CorpusTokens, resume: bool, callback, say) -> trainer.TrainResult:
     """New MiMo-style heads against the trunk's outputs, computed once (trunk_cache.py)."""
     from mlx_lm.models import mimo
 
@@ -510,7 +511,7 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corp
 
     evaluate = None
     if held_outputs is not None:
-        evaluate = lambda: _held_agreement(model, held_outputs, held_continued, s.seq_len)  # noqa: E731
+        evaluate = lambda: _held_agreement(model, held_outputs, held_continued)  # noqa: E731
     job = trainer.Job(
         module=model,
         loss=lambda m, batch: m.loss(outputs, batch),
@@ -521,7 +522,7 @@ def _train_cached(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corp
         describe=_describe(s, corpus_info, config, dtype),
         evaluate=evaluate,
     )
-    return trainer.run(job, _loop(s), resume=resume, callback=callback)
+    return trainer.run(job, loop, resume=resume, callback=callback)
 
 
 def _corpus_outputs(s: HeadsSettings, backend, lm_rows: mx.array, stream: np.ndarray, line_ends: np.ndarray,
@@ -545,13 +546,12 @@ def _corpus_outputs(s: HeadsSettings, backend, lm_rows: mx.array, stream: np.nda
     return TrunkOutputs.concatenate(parts)
 
 
-def _held_agreement(model: CachedHeads, held: TrunkOutputs, continued: TrunkOutputs | None,
-                    seq_len: int) -> dict[str, float]:
+def _held_agreement(model: CachedHeads, held: TrunkOutputs, continued: TrunkOutputs | None) -> dict[str, float]:
     """Per head: agreement with the trunk on held-out corpus windows, and on the
     trunk's own continuations of held-out code (what the heads will draft)."""
     found = {f"head{k + 1}_agree": a for k, a in enumerate(model.agreement(held, mx.arange(len(held))))}
     if continued is not None:
-        agree = model.agreement(continued, mx.arange(len(continued)), continuation_shape(seq_len)[0])
+        agree = model.agreement(continued, mx.arange(len(continued)))
         found.update({f"head{k + 1}_agree_continued": a for k, a in enumerate(agree)})
     return found
 

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import mimo
 
 from engine.backends.mimo import HEAD_PREFIX, MTPLayer
+from engine.sampling import softmax
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,33 @@ def fast_exp(x: mx.array) -> mx.array:
 def log_softmax(logits: mx.array) -> mx.array:
     shifted = logits - mx.stop_gradient(logits.max(axis=-1, keepdims=True))
     return shifted - mx.log(fast_exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def topk_cross_entropy(logits: mx.array, top: mx.array, p: mx.array) -> mx.array:
+    """Per row of logits [..., V]: -sum_j p_j log softmax(logits)[top_j], the top-k
+    cross-entropy heads train with (top [..., K] distinct ids, p their target mass).
+
+    A heads step's element-wise work (a log-softmax over 8,192 scores per position and
+    its gradient, on one thread) cost about what its matrix products did; this is one
+    softmax on the native module's vectorized exp over its helper threads, forward and
+    backward, and its gradient, written out: sum(p) softmax(logits) - p at the top ids."""
+    return cast(mx.array, _topk_cross_entropy(logits, top, p))
+
+
+@mx.custom_function
+def _topk_cross_entropy(logits: mx.array, top: mx.array, p: mx.array) -> mx.array:
+    q = softmax(logits)
+    lse = logits.max(axis=-1) - mx.log(q.max(axis=-1))  # the largest q is exp(0) / sum
+    return p.sum(axis=-1) * lse - (p * mx.take_along_axis(logits, top, axis=-1)).sum(axis=-1)
+
+
+@_topk_cross_entropy.vjp
+def _topk_cross_entropy_vjp(primals, cotangent, output):
+    logits, top, p = primals
+    g = cotangent[..., None]
+    grad = softmax(logits) * (g * p.sum(axis=-1, keepdims=True))
+    grad = mx.put_along_axis(grad, top, mx.take_along_axis(grad, top, axis=-1) - g * p, axis=-1)
+    return grad, mx.zeros_like(top), mx.zeros_like(p)
 
 
 def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:

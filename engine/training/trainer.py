@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol, cast
@@ -48,6 +48,10 @@ class LoopSettings:
     # not stall when other processes share the cores (engine/blas.py).
     threads: int | None = 1
     max_minutes: float | None = None  # stop (saving) once this much time has passed
+    # when that time began (time.perf_counter()); None: the loop's start. Heads training
+    # counts its first stage, the trunk's pass over the corpus, as the command's time: the
+    # loop gets what is left, and its learning rate decays over that.
+    budget_began: float | None = None
 
 
 class BatchSource(Protocol):
@@ -181,6 +185,8 @@ def _run(job: Job, s: LoopSettings, resume: bool,
     bar = _Progress(s.steps, step, s.progress)
     log = (state_dir / "log.jsonl").open("a", buffering=1)  # line-buffered: readable while training
     started, run_tokens = time.perf_counter(), 0
+    if s.max_minutes and s.budget_began is not None:
+        s = replace(s, max_minutes=max(1e-9, s.max_minutes - (started - s.budget_began) / 60))
 
     def save() -> None:
         _save(job, opt, state_dir, step, s)

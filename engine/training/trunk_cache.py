@@ -19,7 +19,9 @@ Windows can also be half written by the trunk itself (`continued_outputs`): corp
 then the trunk's own greedy continuation of it. Heads draft what the trunk writes, and a
 small model's writing is not the corpus (it repeats itself, names things its own way):
 trained on as many windows of each, heads agreed with the trunk on its own continuations
-of held-out code 0.39 of the time against 0.28 (docs/performance.md).
+of held-out code 0.39 of the time against 0.28 (docs/performance.md). The heads learn at
+every position of such a window, the prompt's too: taught the trunk's own positions only,
+they learnt less a step, and no more in the same time (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.backends.mimo import MTPLayer
-from engine.training.model import fast_exp, log_softmax
+from engine.training.model import fast_exp, log_softmax, topk_cross_entropy
 
 
 def draft_vocabulary(stream: np.ndarray, size: int) -> mx.array:
@@ -52,23 +54,28 @@ class TrunkOutputs:
     hidden: mx.array  # [N, S, D] float16: final-normed hidden (what head 0 reads)
     top_ids: mx.array  # [N, S, K] int32: the k most likely next tokens (draft-vocabulary indices)
     top_logp: mx.array  # [N, S, K] float16: their log-probabilities over the draft vocabulary
+    # [N] int32: where the trunk's own text starts (a continued window's prompt length; 0:
+    # corpus text throughout), where the agreement with it is measured
+    first: mx.array
+
+    FIELDS = ("tokens", "hidden", "top_ids", "top_logp", "first")
 
     def save(self, path) -> None:
-        mx.save_safetensors(str(path), {"tokens": self.tokens, "hidden": self.hidden, "top_ids": self.top_ids,
-                                        "top_logp": self.top_logp})
+        mx.save_safetensors(str(path), {name: getattr(self, name) for name in self.FIELDS})
 
     @classmethod
     def load(cls, path) -> TrunkOutputs:
         arrays = cast(dict[str, mx.array], mx.load(str(path)))  # a .safetensors file: a dict
-        return cls(arrays["tokens"], arrays["hidden"], arrays["top_ids"], arrays["top_logp"])
+        if "first" not in arrays:  # saved before `first` was kept
+            arrays["first"] = mx.zeros(arrays["tokens"].shape[0], dtype=mx.int32)
+        return cls(*(arrays[name] for name in cls.FIELDS))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     @classmethod
     def concatenate(cls, parts: list[TrunkOutputs]) -> TrunkOutputs:
-        return cls(*(mx.concatenate([getattr(p, name) for p in parts])
-                     for name in ("tokens", "hidden", "top_ids", "top_logp")))
+        return cls(*(mx.concatenate([getattr(p, name) for p in parts]) for name in cls.FIELDS))
 
 
 def _said(h: mx.array, lm_rows: mx.array, top_k: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -107,7 +114,7 @@ def trunk_outputs(hidden_of: Callable[[mx.array], mx.array], lm_rows: mx.array, 
         report(min(i + chunk, len(windows)), min(i + chunk, len(windows)) * S)
     hidden, ids, logp = zip(*said)
     return TrunkOutputs(mx.array(windows.astype(np.int32)), mx.concatenate(list(hidden)),
-                        mx.concatenate(list(ids)), mx.concatenate(list(logp)))
+                        mx.concatenate(list(ids)), mx.concatenate(list(logp)), mx.zeros(len(windows), mx.int32))
 
 
 def continued_outputs(backend, lm_rows: mx.array, prompts: np.ndarray, new_tokens: int, top_k: int,
@@ -132,7 +139,8 @@ def continued_outputs(backend, lm_rows: mx.array, prompts: np.ndarray, new_token
             mx.async_eval(logits, h)
         tokens.append(logits[:, -1:].argmax(axis=-1).astype(mx.int32))
         window = mx.concatenate(tokens, axis=1)
-        parts.append(TrunkOutputs(window, *_said(mx.concatenate(hidden, axis=1), lm_rows, top_k)))
+        first = mx.full(window.shape[0], prompts.shape[1], dtype=mx.int32)
+        parts.append(TrunkOutputs(window, *_said(mx.concatenate(hidden, axis=1), lm_rows, top_k), first))
         done = min(i + batch, len(prompts))
         report(done, done * (prompts.shape[1] + new_tokens - 1))
     return TrunkOutputs.concatenate(parts)
@@ -188,16 +196,20 @@ class CachedHeads(nn.Module):
     def n_heads(self) -> int:
         return len(self.mtp_layers)
 
-    def heads_logits(self, hidden: mx.array, x: mx.array):
-        """Yield (k, head k's draft-vocabulary logits) over every position it can predict:
-        at position p head k reads (head k-1's output or the trunk's hidden at p, x[p+k+1])."""
+    def heads_logits(self, hidden: mx.array, x: mx.array, first: int = 0):
+        """Yield (k, skip, head k's draft-vocabulary logits at positions skip..): at position
+        p head k reads (head k-1's output or the trunk's hidden at p, x[p+k+1]) and drafts
+        x[p+k+2], the trunk's choice at p+k+1; from `first` on, those tokens are the ones
+        from x[first]. Every position goes through the head's block (later ones attend to
+        it); the LM head runs from `skip`."""
         S = x.shape[1] - 1
         for k, layer in enumerate(self.mtp_layers):
             n = S - k - 1
             if n < 1:
                 break
             hidden = layer(hidden[:, :n], self._embed[x[:, k + 1:k + 1 + n]], None)
-            yield k, hidden @ self._lm_rows.T
+            skip = min(n - 1, max(0, first - k - 2))
+            yield k, skip, hidden[:, skip:] @ self._lm_rows.T
 
     def loss(self, outputs: TrunkOutputs, batch: mx.array):
         """(total, per-head losses): top-k cross-entropy against the trunk at p+k+1."""
@@ -206,27 +218,22 @@ class CachedHeads(nn.Module):
         top = outputs.top_ids[batch]
         p = fast_exp(outputs.top_logp[batch].astype(mx.float32))
         losses = []
-        for k, logits in self.heads_logits(h, x):
-            n = logits.shape[1]
-            logq = log_softmax(logits)
-            picked = mx.take_along_axis(logq, top[:, k + 1:k + 1 + n], axis=-1)
-            losses.append(-(p[:, k + 1:k + 1 + n] * picked).sum(axis=-1).mean())
+        for k, _, logits in self.heads_logits(h, x):
+            at = slice(k + 1, k + 1 + logits.shape[1])
+            losses.append(topk_cross_entropy(logits, top[:, at], p[:, at]).mean())
         return sum(losses), mx.stack(losses)
 
-    def agreement(self, outputs: TrunkOutputs, batch: mx.array, first: int = 0) -> list[float]:
+    def agreement(self, outputs: TrunkOutputs, batch: mx.array) -> list[float]:
         """Per head: how often its argmax is the trunk's (teacher-forced, held-out windows),
-        over the window's tokens from position `first` on (continued windows: from the
-        prompt's length, the trunk's own tokens)."""
+        on the tokens from the batch's first window's `first` on (continued windows: the
+        trunk's own tokens)."""
         x = outputs.tokens[batch]
         h = outputs.hidden[batch].astype(mx.float32)
         greedy = mx.take_along_axis(outputs.top_ids[batch], outputs.top_logp[batch].argmax(axis=-1)[..., None],
                                     axis=-1)[..., 0]
         agree = []
-        for k, logits in self.heads_logits(h, x):
-            n = logits.shape[1]
-            # head k at position p drafts token p + k + 2 (the trunk's distribution at p + k + 1)
-            skip = min(n - 1, max(0, first - k - 2))
-            same = logits[:, skip:].argmax(axis=-1) == greedy[:, k + 1 + skip:k + 1 + n]
+        for k, skip, logits in self.heads_logits(h, x, cast(int, outputs.first[batch][0].item())):
+            same = logits.argmax(axis=-1) == greedy[:, k + 1 + skip:k + 1 + skip + logits.shape[1]]
             agree.append(same.astype(mx.float32).mean().item())
         return agree
 

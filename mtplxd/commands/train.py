@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", metavar="S", type=int, help="seed for init, FIM and data order (default 0)")
     p.add_argument("--save-every", metavar="N", type=int, help="checkpoint interval in steps (default 100)")
     p.add_argument("--max-minutes", metavar="M", type=float,
-                   help="time budget: save and stop once M minutes of training have passed")
+                   help="time budget: save and stop once M minutes of training have passed (heads-only: "
+                        "counted from the command's start, the trunk's pass over the corpus included)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--threads", metavar="N", type=int,
                    help="OpenBLAS threads while training (default: full training 1, it is bound by "
