@@ -399,7 +399,8 @@ def train_heads(settings: HeadsSettings, resume: bool = False, callback=None) ->
     mx.random.seed(s.seed)
     if not own:
         corpus = CorpusTokens(stream, held_windows(s, encoder, fim_rate, fim_order, eos), corpus_info)
-        return _train_cached(s, loop, config, dtype, engine_, corpus, resume, callback, say)
+        job = _cached_job(s, config, dtype, engine_, corpus, resume, say)
+        return trainer.run(job, loop, resume=resume, callback=callback)
     model = FamilyHeads(engine_.backend, report, src)
     weights = (1.0,) * model.n_heads
 
@@ -461,8 +462,8 @@ class CorpusTokens:
     info: dict  # the corpus manifest, for state.json
 
 
-def _train_cached(s: HeadsSettings, loop: trainer.LoopSettings, config: dict, dtype: mx.Dtype, engine_,
-                  corpus: CorpusTokens, resume: bool, callback, say) -> trainer.TrainResult:
+def _cached_job(s: HeadsSettings, config: dict, dtype: mx.Dtype, engine_, corpus: CorpusTokens, resume: bool,
+                say) -> trainer.Job:
     """New MiMo-style heads against the trunk's outputs, computed once (trunk_cache.py)."""
     from mlx_lm.models import mimo
 
@@ -512,7 +513,7 @@ def _train_cached(s: HeadsSettings, loop: trainer.LoopSettings, config: dict, dt
     evaluate = None
     if held_outputs is not None:
         evaluate = lambda: _held_agreement(model, held_outputs, held_continued)  # noqa: E731
-    job = trainer.Job(
+    return trainer.Job(
         module=model,
         loss=lambda m, batch: m.loss(outputs, batch),
         part_names=[f"head{k + 1}_ce" for k in range(model.n_heads)],
@@ -522,7 +523,6 @@ def _train_cached(s: HeadsSettings, loop: trainer.LoopSettings, config: dict, dt
         describe=_describe(s, corpus_info, config, dtype),
         evaluate=evaluate,
     )
-    return trainer.run(job, loop, resume=resume, callback=callback)
 
 
 def _corpus_outputs(s: HeadsSettings, backend, lm_rows: mx.array, stream: np.ndarray, line_ends: np.ndarray,
