@@ -113,7 +113,6 @@ inline void prefetch(const void* from, size_t bytes) {
 
 // ---- AVX-512 --------------------------------------------------------------
 
-// One chunk of 32 weights of one row, as two vectors in x's order.
 // One chunk of 32 weights of one row, as two vectors in x's order. A 4-bit value
 // has 16 possible weights in a group: they are computed once (`table`, q * s + b)
 // and a chunk's values only look them up, which spares the float unit the
@@ -139,48 +138,54 @@ inline void chunk512(const uint8_t* bytes, int bits, __m512 table, __m512 s, __m
 // x has a single row, and the weights of a chunk are unpacked once for all M (and
 // each chunk of x loaded once for R rows of W, when there are several).
 //
+// x comes chunk-major (`vector_x`): chunk c of the M rows lies at x + c * M * CHUNK, so one
+// pointer reaches every row's chunk at fixed offsets. With x row-major and the loop split
+// by groups, a group-32 matrix (every GGUF import's) ran one chunk a group, and the eight
+// rows' addresses, the scales and the loop's own bookkeeping took more instructions than
+// its 32 multiply-adds: 32-34 GMAC/s a core at 8 rows, against ~86 the core can multiply
+// (docs/performance.md).
+//
 // The hardware prefetcher does not keep up with these reads: the 8-bit LM head
 // (49,152 x 576, 28 MB) streamed at ~4.5 GB/s against ~15 from memory. So each
 // chunk also asks for the same share of the next R rows (they follow these in
 // memory): ~3x faster for that matrix, ~2x for a 4-bit one of one row from memory
 // (harness figures in docs/performance.md).
-template <int M, int R>
+template <int BITS, int M, int R>
 __attribute__((target("avx512f")))
 void rows512(const Problem& p, const float* x, int j0, int r0) {
-  const size_t chunk_bytes = CHUNK * p.bits / 8, row_bytes = p.row_bytes();
-  const int per_group = p.group / CHUNK, groups = p.groups();
+  constexpr int CHUNK_BYTES = CHUNK * BITS / 8;
+  const size_t row_bytes = p.row_bytes(), groups = p.groups();
+  const int chunks = p.k / CHUNK, per_group = p.group / CHUNK;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const char* next = reinterpret_cast<const char*>(p.w + size_t(j0 + R) * row_bytes);
-  prefetch(p.scales + size_t(j0 + R) * groups, R * groups * sizeof(float));
-  prefetch(p.biases + size_t(j0 + R) * groups, R * groups * sizeof(float));
+  const uint8_t* w = p.w + size_t(j0) * row_bytes;
+  const float* scales = p.scales + size_t(j0) * groups;
+  const float* biases = p.biases + size_t(j0) * groups;
+  const char* next = reinterpret_cast<const char*>(w + R * row_bytes);
+  prefetch(scales + R * groups, R * groups * sizeof(float));
+  prefetch(biases + R * groups, R * groups * sizeof(float));
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int g = 0, c = 0; g < groups; ++g) {
-    __m512 s[R], b[R], table[R];
+  for (int c = 0, g = 0, in_group = 0; c < chunks; ++c) {
+    __m512 w0[R], w1[R];
     for (int r = 0; r < R; ++r) {
-      s[r] = _mm512_set1_ps(p.scales[size_t(j0 + r) * groups + g]);
-      b[r] = _mm512_set1_ps(p.biases[size_t(j0 + r) * groups + g]);
-      table[r] = _mm512_fmadd_ps(iota, s[r], b[r]);
+      if (c % (64 / CHUNK_BYTES) == 0) _mm_prefetch(next + r * row_bytes + c * CHUNK_BYTES, _MM_HINT_T0);
+      const __m512 s = _mm512_set1_ps(scales[r * groups + g]), b = _mm512_set1_ps(biases[r * groups + g]);
+      const __m512 table = BITS == 4 ? _mm512_fmadd_ps(iota, s, b) : s;
+      chunk512(w + r * row_bytes + c * CHUNK_BYTES, BITS, table, s, b, w0[r], w1[r]);
     }
-    for (int end = c + per_group; c < end; ++c) {
-      prefetch(next + c * R * chunk_bytes, R * chunk_bytes);
-      __m512 w0[R], w1[R];
-      for (int r = 0; r < R; ++r)
-        chunk512(p.w + (j0 + r) * row_bytes + c * chunk_bytes, p.bits, table[r], s[r], b[r], w0[r], w1[r]);
-      for (int i = 0; i < M; ++i) {
-        const float* xi = x + size_t(i) * p.k + c * CHUNK;
-        __m512 x0 = _mm512_load_ps(xi), x1 = _mm512_load_ps(xi + 16);
-        // Loaded once for the R rows of W: left alone, the compiler reads x again in each
-        // multiply-add, and at 8 rows of x those loads bound the loop (harness: 8 rows of a
-        // 4-bit 1,536 x 576 took 224 us so, 178-182 us with x held; 8-bit 1.2x too).
-        if constexpr (R > 1) asm("" : "+v"(x0), "+v"(x1));
-        for (int r = 0; r < R; ++r) {
-          acc[r][i] = _mm512_fmadd_ps(w0[r], x0, acc[r][i]);
-          acc[r][i] = _mm512_fmadd_ps(w1[r], x1, acc[r][i]);
-        }
+    const float* xc = x + size_t(c) * M * CHUNK;
+    for (int i = 0; i < M; ++i) {
+      __m512 x0 = _mm512_load_ps(xc + i * CHUNK), x1 = _mm512_load_ps(xc + i * CHUNK + 16);
+      // Loaded once for the R rows of W: left alone, the compiler reads x again in each
+      // multiply-add, and at 8 rows of x those loads bound the loop.
+      if constexpr (R > 1) asm("" : "+v"(x0), "+v"(x1));
+      for (int r = 0; r < R; ++r) {
+        acc[r][i] = _mm512_fmadd_ps(w0[r], x0, acc[r][i]);
+        acc[r][i] = _mm512_fmadd_ps(w1[r], x1, acc[r][i]);
       }
     }
+    if (++in_group == per_group) in_group = 0, ++g;
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < M; ++i) p.out[size_t(r0 + i) * p.ld + j0 + r] = _mm512_reduce_add_ps(acc[r][i]);
@@ -193,10 +198,15 @@ void block512(const Problem& p, int r0) {
   // hold 4 x 4 sums, not 4 x 8): in the harness 2 and 4 rows took 10-13% less than with two
   // weight rows (a verify window, a small batch), 8 rows the same.
   constexpr int R = M <= 4 ? 4 : 2;
-  const float* x = p.x + size_t(r0) * p.k;
+  const float* x = p.x + size_t(r0) * p.k; // this block's rows, chunk-major
   int j = 0;
-  for (; j + R <= p.n; j += R) rows512<M, R>(p, x, j, r0);
-  for (; j < p.n; ++j) rows512<M, 1>(p, x, j, r0);
+  if (p.bits == 4) {
+    for (; j + R <= p.n; j += R) rows512<4, M, R>(p, x, j, r0);
+    for (; j < p.n; ++j) rows512<4, M, 1>(p, x, j, r0);
+  } else {
+    for (; j + R <= p.n; j += R) rows512<8, M, R>(p, x, j, r0);
+    for (; j < p.n; ++j) rows512<8, M, 1>(p, x, j, r0);
+  }
 }
 
 // ---- one row: the product factored ---------------------------------------------------
@@ -537,21 +547,25 @@ float* aligned64(std::vector<float>& storage) {
 }
 
 // x as the vector paths read it: 64-byte aligned (they load it aligned; misaligned
-// loads cost 15% at 4-8 rows) and, for 4 bits, each chunk in the order of its
-// nibbles [even values..., odd values...].
-const float* vector_x(const float* x, int m, int k, int bits, std::vector<float>& storage) {
-  if (bits != 4 && reinterpret_cast<uintptr_t>(x) % 64 == 0) return x; // rows of k % 32 == 0 stay aligned
+// loads cost 15% at 4-8 rows), for 4 bits each chunk in the order of its nibbles
+// [even values..., odd values...], and for AVX-512 each block of ROW_BLOCK rows
+// chunk-major (rows512): the block from row r0 starts at r0 * k, and its chunk c of row
+// i at (c * rows + i) * CHUNK from there, `rows` the block's rows.
+const float* vector_x(const float* x, int m, int k, int bits, bool chunk_major, std::vector<float>& storage) {
+  const bool moved = chunk_major && m > 1;
+  if (bits != 4 && !moved && reinterpret_cast<uintptr_t>(x) % 64 == 0) return x; // rows of k % 32 == 0 stay aligned
   storage.resize(size_t(m) * k + 16);
   float* out = aligned64(storage);
-  if (bits != 4) {
-    std::memcpy(out, x, size_t(m) * k * sizeof(float));
-    return out;
+  for (int r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+    const int rows = moved ? std::min(ROW_BLOCK, m - r0) : 1;
+    for (int i = 0; i < std::min(ROW_BLOCK, m - r0); ++i)
+      for (int c = 0; c < k / CHUNK; ++c) {
+        const float* from = x + size_t(r0 + i) * k + c * CHUNK;
+        float* to = out + size_t(r0) * k + (moved ? (size_t(c) * rows + i) * CHUNK : size_t(i) * k + c * CHUNK);
+        for (int v = 0; v < CHUNK; ++v)
+          to[bits == 4 ? (v % 2) * (CHUNK / 2) + v / 2 : v] = from[v];
+      }
   }
-  for (size_t c = 0; c < size_t(m) * k; c += CHUNK)
-    for (int i = 0; i < CHUNK / 2; ++i) {
-      out[c + i] = x[c + 2 * i];
-      out[c + CHUNK / 2 + i] = x[c + 2 * i + 1];
-    }
   return out;
 }
 
@@ -625,7 +639,7 @@ void compute_all(std::vector<Problem> ps) {
     }
 #endif
     const float*& x = prepared[p.bits == 4];
-    if (!x) x = vector_x(p.x, p.m, p.k, p.bits, storage[p.bits == 4]);
+    if (!x) x = vector_x(p.x, p.m, p.k, p.bits, level == AVX512, storage[p.bits == 4]);
     p.x = x;
   }
   const int slices = macs >= PARALLEL_MIN_MACS ? helpers.size() + 1 : 1;
