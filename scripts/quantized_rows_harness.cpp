@@ -1,4 +1,4 @@
-// The quantized-rows kernel alone, outside MLX: products of 1, 2, 4 and 8 rows against
+// The quantized-rows kernel alone, outside MLX: products of 1, 2, 4, 8, 16 and 32 rows against
 // 100 different matrices in turn (so that the weights come from memory, as in a decode
 // step), best of 5. Figures: docs/performance.md.
 //
@@ -19,11 +19,11 @@ int main(int argc, char** argv) {
   const int bits = std::atoi(argv[1]), n = std::atoi(argv[2]), k = std::atoi(argv[3]), copies = 100;
   const size_t weight_bytes = size_t(n) * k * bits / 8, groups = size_t(n) * k / 32;
   std::vector<uint8_t> w(weight_bytes * copies);
-  std::vector<float> scales(groups * copies, 0.01f), biases(groups * copies, -0.05f), x(8 * size_t(k)), out(8 * size_t(n));
+  std::vector<float> scales(groups * copies, 0.01f), biases(groups * copies, -0.05f), x(32 * size_t(k)), out(32 * size_t(n));
   std::mt19937 random(0);
   for (auto& byte : w) byte = uint8_t(random());
   for (auto& value : x) value = float(random() % 100) / 50.0f;
-  for (int m : {1, 2, 4, 8}) {
+  for (int m : {1, 2, 4, 8, 16, 32}) {
     double best = 1e30;
     for (int round = 0; round < 5; ++round) {
       auto start = std::chrono::steady_clock::now();

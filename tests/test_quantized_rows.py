@@ -513,6 +513,6 @@ def test_the_harness_builds_and_measures(tmp_path):
     binary = tmp_path / "harness"
     subprocess.run([compiler, "-O1", "-std=c++17", "-o", str(binary), str(script), "-lpthread"], check=True)
     lines = subprocess.run([str(binary), "4", "64", "256"], check=True, capture_output=True, text=True).stdout.splitlines()
-    assert len(lines) == 4
-    for rows, line in zip((1, 2, 4, 8), lines):
+    assert len(lines) == 6
+    for rows, line in zip((1, 2, 4, 8, 16, 32), lines):
         assert line.startswith(f"4-bit 64 x 256, {rows} rows: ") and "GMAC/s" in line, line
