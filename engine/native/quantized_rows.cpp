@@ -379,40 +379,42 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-template <int M>
+// One row of W at a time into M rows of x, chunk-major as on the AVX-512 path (rows512):
+// the chunks walked in one loop, whatever the group size.
+template <int BITS, int M>
 __attribute__((target("avx2,fma")))
 void block256(const Problem& p, int r0) {
-  const size_t chunk_bytes = CHUNK * p.bits / 8;
-  const int per_group = p.group / CHUNK, groups = p.groups();
+  constexpr int CHUNK_BYTES = CHUNK * BITS / 8;
+  const int chunks = p.k / CHUNK, per_group = p.group / CHUNK, groups = p.groups();
+  const float* x = p.x + size_t(r0) * p.k; // this block's rows, chunk-major
   for (int j = 0; j < p.n; ++j) {
     const uint8_t* row = p.w + j * p.row_bytes();
-    const float* sj = p.scales + j * p.groups();
-    const float* bj = p.biases + j * p.groups();
+    const float* sj = p.scales + j * groups;
+    const float* bj = p.biases + j * groups;
     const uint8_t* ahead = row + 2 * p.row_bytes();
     for (size_t off = 0; off < p.row_bytes(); off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
     __m256 acc[M][2];
     for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int g = 0, c = 0; g < groups; ++g) {
-      __m256 s = _mm256_set1_ps(sj[g]), b = _mm256_set1_ps(bj[g]);
-      for (int end = c + per_group; c < end; ++c) {
-        const uint8_t* bytes = row + c * chunk_bytes;
-        __m128i lo, hi;
-        if (p.bits == 4) {
-          __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-          __m128i nibble = _mm_set1_epi8(0x0F);
-          lo = _mm_and_si128(packed, nibble);
-          hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-        } else {
-          lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-          hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16));
-        }
-        __m256 w[4] = {widen(lo, s, b), widen(_mm_srli_si128(lo, 8), s, b),
-                       widen(hi, s, b), widen(_mm_srli_si128(hi, 8), s, b)};
-        for (int i = 0; i < M; ++i) {
-          const float* xi = p.x + size_t(r0 + i) * p.k + c * CHUNK;
-          for (int q = 0; q < 4; ++q) acc[i][q & 1] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xi + 8 * q), acc[i][q & 1]);
-        }
+    for (int c = 0, g = 0, in_group = 0; c < chunks; ++c) {
+      const __m256 s = _mm256_set1_ps(sj[g]), b = _mm256_set1_ps(bj[g]);
+      const uint8_t* bytes = row + c * CHUNK_BYTES;
+      __m128i lo, hi;
+      if constexpr (BITS == 4) {
+        __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+        __m128i nibble = _mm_set1_epi8(0x0F);
+        lo = _mm_and_si128(packed, nibble);
+        hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+      } else {
+        lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+        hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16));
       }
+      __m256 w[4] = {widen(lo, s, b), widen(_mm_srli_si128(lo, 8), s, b),
+                     widen(hi, s, b), widen(_mm_srli_si128(hi, 8), s, b)};
+      const float* xc = x + size_t(c) * M * CHUNK;
+      for (int i = 0; i < M; ++i)
+        for (int q = 0; q < 4; ++q)
+          acc[i][q & 1] = _mm256_fmadd_ps(w[q], _mm256_load_ps(xc + i * CHUNK + 8 * q), acc[i][q & 1]);
+      if (++in_group == per_group) in_group = 0, ++g;
     }
     for (int i = 0; i < M; ++i) p.out[size_t(r0 + i) * p.ld + j] = hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
   }
@@ -524,7 +526,8 @@ Level level = best; // tests lower it to check every path on one machine
 template <int M>
 void block(const Problem& p, int r0) {
   if (level == AVX512) block512<M>(p, r0);
-  else block256<M>(p, r0);
+  else if (p.bits == 4) block256<4, M>(p, r0);
+  else block256<8, M>(p, r0);
 }
 
 void rows_vector(const Problem& p, int r0, int rows) {
@@ -548,22 +551,21 @@ float* aligned64(std::vector<float>& storage) {
 
 // x as the vector paths read it: 64-byte aligned (they load it aligned; misaligned
 // loads cost 15% at 4-8 rows), for 4 bits each chunk in the order of its nibbles
-// [even values..., odd values...], and for AVX-512 each block of ROW_BLOCK rows
-// chunk-major (rows512): the block from row r0 starts at r0 * k, and its chunk c of row
+// [even values..., odd values...], and each block of ROW_BLOCK rows chunk-major
+// (rows512, block256): the block from row r0 starts at r0 * k, and its chunk c of row
 // i at (c * rows + i) * CHUNK from there, `rows` the block's rows.
-const float* vector_x(const float* x, int m, int k, int bits, bool chunk_major, std::vector<float>& storage) {
-  const bool moved = chunk_major && m > 1;
-  if (bits != 4 && !moved && reinterpret_cast<uintptr_t>(x) % 64 == 0) return x; // rows of k % 32 == 0 stay aligned
+const float* vector_x(const float* x, int m, int k, int bits, std::vector<float>& storage) {
+  // One row is its own chunk-major layout: it moves only to be aligned, or for 4 bits.
+  if (bits != 4 && m == 1 && reinterpret_cast<uintptr_t>(x) % 64 == 0) return x;
   storage.resize(size_t(m) * k + 16);
   float* out = aligned64(storage);
   for (int r0 = 0; r0 < m; r0 += ROW_BLOCK) {
-    const int rows = moved ? std::min(ROW_BLOCK, m - r0) : 1;
-    for (int i = 0; i < std::min(ROW_BLOCK, m - r0); ++i)
+    const int rows = std::min(ROW_BLOCK, m - r0);
+    for (int i = 0; i < rows; ++i)
       for (int c = 0; c < k / CHUNK; ++c) {
         const float* from = x + size_t(r0 + i) * k + c * CHUNK;
-        float* to = out + size_t(r0) * k + (moved ? (size_t(c) * rows + i) * CHUNK : size_t(i) * k + c * CHUNK);
-        for (int v = 0; v < CHUNK; ++v)
-          to[bits == 4 ? (v % 2) * (CHUNK / 2) + v / 2 : v] = from[v];
+        float* to = out + size_t(r0) * k + (size_t(c) * rows + i) * CHUNK;
+        for (int v = 0; v < CHUNK; ++v) to[bits == 4 ? (v % 2) * (CHUNK / 2) + v / 2 : v] = from[v];
       }
   }
   return out;
@@ -639,7 +641,7 @@ void compute_all(std::vector<Problem> ps) {
     }
 #endif
     const float*& x = prepared[p.bits == 4];
-    if (!x) x = vector_x(p.x, p.m, p.k, p.bits, level == AVX512, storage[p.bits == 4]);
+    if (!x) x = vector_x(p.x, p.m, p.k, p.bits, storage[p.bits == 4]);
     p.x = x;
   }
   const int slices = macs >= PARALLEL_MIN_MACS ? helpers.size() + 1 : 1;
