@@ -196,3 +196,28 @@ def test_batched_negative_control_rule_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine.batch, "_verify_rows", mx.vmap(broken_row))
     assert _failed_exactness(tmp_path) < 1e-6
+
+
+def test_rows_leaving_keep_one_offset_array_and_cut_the_padding(tmp_path):
+    """A batch's blocks share one array of the rows' positions: a block whose offsets
+    nothing reads (the rotary comes from a table, by the first block's) would otherwise
+    grow a chain of lazy additions by one a step. When the row with the longest cache
+    leaves, the padding the others all have is cut from every block's buffers."""
+    engine_ = load_family(tmp_path, "mimo")
+    batch = DecodeBatch(engine_.backend, 0)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [9, 4], [3, 3, 4, 4, 5]]
+    for prompt in prompts:
+        gen = engine_.open(_request(prompt, greedy(), 0, 12, "ar", 0))
+        gen.step()
+        batch.join(gen)
+    for _ in range(3):
+        batch.step()
+    longest = batch.rows[0]
+    batch.leave(longest)
+    for _ in range(2):
+        batch.step()
+    first = batch._cache[0]
+    assert all(cache.offset is first.offset for cache in batch._cache)
+    assert first.offset.tolist() == [len(row.tokens) - 1 for row in batch.rows]
+    assert min(first.left_padding.tolist()) == 0  # the longest row's padding columns went with it
+    assert first.keys.shape[2] >= first._idx == len(prompts[2]) + 1 + 3 + 2 - 1

@@ -99,6 +99,53 @@ def test_helper_threads_change_nothing(kernel):
     assert_close(attended[1], attention64(q, k, v, everywhere), DOT_ULPS, "attention split over threads")
 
 
+def test_pieces_taken_by_busy_helpers_change_nothing(kernel):
+    """The work of a split product is taken piece by piece from one counter by whichever
+    thread comes first, the caller included, so a helper whose core is busy takes fewer
+    pieces or none. With more helpers than cores and a Python thread spinning beside them,
+    who takes what changes from call to call: the results must not, bit for bit, and no
+    call may wait for ever for a helper (a lost piece would hang here)."""
+    import threading
+
+    packed = weights(1000, 1024, 4, 64)
+    x = mx.random.normal((8, 1024), key=mx.random.key(5))
+    scores = mx.random.normal((1, 3, 3 * 64, 600), key=mx.random.key(9)) * 4
+    want = np.array(kernel.quantized_rows(x, *packed, 64, 4)), np.array(kernel.softmax(scores, 64, 536))
+    threads, busy = kernel.threads(), threading.Event()
+
+    def spin() -> None:
+        while not busy.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        kernel.set_threads(4)
+        for _ in range(60):
+            np.testing.assert_array_equal(np.array(kernel.quantized_rows(x, *packed, 64, 4)), want[0])
+            np.testing.assert_array_equal(np.array(kernel.softmax(scores, 64, 536)), want[1])
+    finally:
+        busy.set()
+        spinner.join()
+        kernel.set_threads(threads)
+
+
+def test_strided_inputs_are_read_as_laid_out(kernel):
+    """A view (a cache's buffer cut to its positions, a transposed x) is copied in runs of
+    its last axis: the same result as its contiguous copy, bit for bit, whether the last
+    axis is contiguous (a cut) or strided (a transpose)."""
+    q = mx.random.normal((2, 4, 1, 64), key=mx.random.key(6)) * 0.3
+    k, v = (mx.random.normal((2, 2, 300, 64), key=mx.random.key(s)) for s in (7, 8))
+    cut_k, cut_v = k[:, :, 37:], v[:, :, 37:]
+    got = np.array(kernel.attention(q, cut_k, cut_v))
+    np.testing.assert_array_equal(got, np.array(kernel.attention(q, mx.contiguous(cut_k), mx.contiguous(cut_v))))
+    assert not np.array_equal(got, np.array(kernel.attention(q, k[:, :, :263], v[:, :, :263])))  # other keys: other result
+    packed = weights(64, 256, 4, 64)
+    xt = mx.random.normal((256, 3), key=mx.random.key(4)).T  # rows strided by 3
+    np.testing.assert_array_equal(np.array(kernel.quantized_rows(xt, *packed, 64, 4)),
+                                  np.array(kernel.quantized_rows(mx.contiguous(xt), *packed, 64, 4)))
+
+
 def test_decoding_splits_products_over_two_cores_where_there_are_two(kernel):
     """Rows beyond the first are compute-bound in the kernel: a helper thread serves them
     (engine/quantized_rows.py, KERNEL_THREADS)."""

@@ -228,7 +228,7 @@ class NativeBlock:
             cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
         rows, cache.keys, cache.values = self.module.block_step(rows, cos, sin, kept, self.plan, arrays,
                                                                 cache.keys, cache.values, mask)
-        cache.offset += length  # BatchKVCache: one per row (an array), as its update_and_fetch adds
+        cache.offset = cache.offset + length  # BatchKVCache: one per row (an array), a new one as its update adds
         if batched:
             cache._idx += length
         return rows

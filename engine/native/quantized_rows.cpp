@@ -423,13 +423,22 @@ void block256(const Problem& p, int r0) {
 #endif // MTPLXD_X86
 
 // ---- helper threads ----------------------------------------------------------
-// A product may be split by weight rows over the calling thread (MLX's CPU worker) and
-// a few helpers (engine/quantized_rows.py asks for one where there are two cores). Products of a decode step take tens of microseconds, about what
-// waking a sleeping thread costs, so after each one the helpers keep watching for
-// the next for SPIN (yielding their core to any thread that wants it) before they
-// sleep: within a step, where products follow each other closely, they are awake.
+// A product may be split over the calling thread (MLX's CPU worker) and a few helpers
+// (engine/quantized_rows.py asks for one where there are two cores). Products of a decode
+// step take tens of microseconds, about what waking a sleeping thread costs, so after each
+// one the helpers keep watching for the next for SPIN (yielding their core to any thread
+// that wants it) before they sleep: within a step, where products follow each other
+// closely, they are awake.
+//
+// The work comes in pieces that every thread takes from one counter, the caller first.
+// A helper whose core is busy elsewhere (the daemon's HTTP thread, its clients, a build)
+// then takes fewer pieces or none, and the product waits only for the pieces a helper has
+// begun, never for a helper to wake: with fixed equal slices, a step of 8 SmolLM2 rows took
+// 2.3x its time while one other process kept a core busy. Each piece writes its own outputs
+// in the same order whichever thread runs it, so results do not depend on who took what.
 
 constexpr size_t PARALLEL_MIN_MACS = size_t(1) << 19; // smaller products stay on one thread
+constexpr int PIECES_PER_THREAD = 4; // a product's pieces: enough that a late helper costs little
 constexpr auto SPIN = std::chrono::microseconds(300);
 
 class Helpers {
@@ -442,26 +451,39 @@ class Helpers {
     count_ = std::max(threads, 1) - 1;
   }
 
-  // job(0) here, job(1 .. size()) on the helpers; returns once all have run.
-  void run(const std::function<void(int)>& job) {
+  // piece(0 .. pieces - 1), each once, here and on the helpers; returns once all have run.
+  void run(int pieces, const std::function<void(int)>& piece) {
+    if (count_ == 0 || pieces < 2) {
+      for (int i = 0; i < pieces; ++i) piece(i);
+      return;
+    }
     if (threads_.size() != size_t(count_)) start();
-    job_ = &job;
-    remaining_.store(count_, std::memory_order_relaxed);
+    piece_ = &piece;
+    pieces_ = pieces;
+    next_.store(0, std::memory_order_relaxed);
+    open_.store(true);  // seq_cst, after the job: a helper that sees it open sees the job
     {
       std::lock_guard<std::mutex> lock(mutex_);
       generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
-    job(0);
-    while (remaining_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+    take();
+    // Every piece is taken; wait for the helpers inside the job (running a piece), and
+    // close it so that one waking now leaves without touching it.
+    open_.store(false);
+    while (inside_.load() > 0) std::this_thread::yield();
   }
 
  private:
+  void take() {
+    for (int i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < pieces_;) (*piece_)(i);
+  }
+
   void start() {
     stop();
     stopping_ = false;
     uint64_t now = generation_.load();  // read here: a helper that read it itself could miss the first product
-    for (int i = 0; i < count_; ++i) threads_.emplace_back([this, i, now] { work(i + 1, now); });
+    for (int i = 0; i < count_; ++i) threads_.emplace_back([this, now] { work(now); });
   }
 
   void stop() {
@@ -474,7 +496,7 @@ class Helpers {
     threads_.clear();
   }
 
-  void work(int slice, uint64_t seen) {
+  void work(uint64_t seen) {
     for (;;) {
       auto until = std::chrono::steady_clock::now() + SPIN;
       while (generation_.load(std::memory_order_acquire) == seen && !stopping_ &&
@@ -486,24 +508,28 @@ class Helpers {
         if (stopping_) return;
         seen = generation_.load();
       }
-      (*job_)(slice);
-      remaining_.fetch_sub(1, std::memory_order_release);
+      // In, then look (both seq_cst, against the caller's close, then look): either this
+      // helper sees the job closed, or the caller sees it inside and waits for it.
+      inside_.fetch_add(1);
+      if (open_.load()) take();
+      inside_.fetch_sub(1);
     }
   }
 
-  // No helpers until asked (set_threads, which the engine calls at load): when other work
-  // holds the cores, a split product waits for its slowest slice.
+  // No helpers until asked (set_threads, which the engine calls at load).
   int count_ = 0;
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int> remaining_{0};
-  const std::function<void(int)>* job_ = nullptr;
+  const std::function<void(int)>* piece_ = nullptr;
+  int pieces_ = 0;
+  std::atomic<int> next_{0};
+  std::atomic<bool> open_{false};
+  std::atomic<int> inside_{0};
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stopping_ = false;
 };
 
-// Never destroyed: joining threads while the process exits is not worth the risk.
 Helpers& helpers = *new Helpers();
 
 // ---- choosing a path --------------------------------------------------------
@@ -644,19 +670,20 @@ void compute_all(std::vector<Problem> ps) {
     if (!x) x = vector_x(p.x, p.m, p.k, p.bits, storage[p.bits == 4]);
     p.x = x;
   }
-  const int slices = macs >= PARALLEL_MIN_MACS ? helpers.size() + 1 : 1;
-  if (slices == 1) {
+  if (macs < PARALLEL_MIN_MACS || helpers.size() == 0) {
     for (const Problem& p : ps) compute_columns(p);
     return;
   }
-  helpers.run([&](int slice) {
-    for (const Problem& p : ps) {
-      // Whole groups of 4 weight rows a slice, as the vector paths take them.
-      const int per_slice = (p.n / slices + 3) / 4 * 4;
-      const int j0 = std::min(p.n, slice * per_slice), j1 = slice + 1 == slices ? p.n : std::min(p.n, j0 + per_slice);
-      if (j0 < j1) compute_columns(columns(p, j0, j1));
-    }
-  });
+  // Pieces of whole groups of 4 weight rows (as the vector paths take them), about
+  // PIECES_PER_THREAD a thread over all the problems.
+  const int threads = helpers.size() + 1;
+  int all_rows = 0;
+  for (const Problem& p : ps) all_rows += p.n;
+  const int width = std::max(4, (all_rows / (threads * PIECES_PER_THREAD) + 3) / 4 * 4);
+  std::vector<Problem> pieces;
+  for (const Problem& p : ps)
+    for (int j0 = 0; j0 < p.n; j0 += width) pieces.push_back(columns(p, j0, std::min(p.n, j0 + width)));
+  helpers.run(int(pieces.size()), [&](int i) { compute_columns(pieces[i]); });
 }
 
 void compute(const Problem& p) { compute_all({p}); }
@@ -890,7 +917,8 @@ void softmax_rows(const float* x, float* out, size_t rows, int n, int causal, in
   };
   const size_t threads = size_t(helpers.size()) + 1;
   if (threads == 1 || rows < 2 * threads || rows * size_t(n) < SOFTMAX_PARALLEL_MIN) return rows_from(0, rows);
-  helpers.run([&](int slice) { rows_from(slice * rows / threads, (slice + 1) * rows / threads); });
+  const size_t pieces = std::min(rows, threads * PIECES_PER_THREAD);
+  helpers.run(int(pieces), [&](int i) { rows_from(i * rows / pieces, (i + 1) * rows / pieces); });
 }
 
 // ---- attention over a few new positions ---------------------------------------------
@@ -1147,19 +1175,20 @@ void attend(const Attention& a) {
       sums(size_t(pieces) * rows);
   std::vector<Unit> all;
   for (int unit = 0; unit < units; ++unit) all.push_back(unit_of(a, unit / a.kv_heads, unit % a.kv_heads));
-  auto run = [&](int slice) {
-    std::vector<float> scores;
-    std::vector<float*> out(rows);
-    for (int piece = slice * pieces / threads; piece < (slice + 1) * pieces / threads; ++piece) {
-      const int unit = piece / chunks, c = piece % chunks;
-      const Unit& u = all[unit];
-      for (int i = 0; i < rows; ++i) out[i] = chunks == 1 ? u.out[i] : partial.data() + (size_t(piece) * rows + i) * a.dim;
-      attend_keys(a, u, c * ATTENTION_CHUNK, std::min(a.keys, (c + 1) * ATTENTION_CHUNK), out.data(),
-                  maxes.data() + size_t(piece) * rows, sums.data() + size_t(piece) * rows, scores);
-    }
+  auto run = [&](int piece) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<float*> out;
+    out.resize(rows);
+    const int unit = piece / chunks, c = piece % chunks;
+    const Unit& u = all[unit];
+    for (int i = 0; i < rows; ++i) out[i] = chunks == 1 ? u.out[i] : partial.data() + (size_t(piece) * rows + i) * a.dim;
+    attend_keys(a, u, c * ATTENTION_CHUNK, std::min(a.keys, (c + 1) * ATTENTION_CHUNK), out.data(),
+                maxes.data() + size_t(piece) * rows, sums.data() + size_t(piece) * rows, scores);
   };
-  if (threads == 1) run(0);
-  else helpers.run(run);
+  if (threads == 1)
+    for (int piece = 0; piece < pieces; ++piece) run(piece);
+  else
+    helpers.run(pieces, run);
   if (chunks == 1) return;
   for (int unit = 0; unit < units; ++unit) {
     const size_t first = size_t(unit) * chunks * rows;
@@ -1378,20 +1407,27 @@ void top_values_row(const float* row, int n, int k, float* out, std::vector<floa
 // ---- the MLX primitive ------------------------------------------------------
 
 // The elements of `a` in row-major order: its own buffer when it is laid out so, else a
-// copy into `copy`. Weights are; an input may be a view (a transposed x). Copying here
-// rather than adding MLX's `contiguous` to the graph spares four operations a product,
-// each with its dispatch cost.
+// copy into `copy`. Weights are; an input may be a view (a transposed x, a cache's buffer
+// cut to its positions). Copying here rather than adding MLX's `contiguous` to the graph
+// spares four operations a product, each with its dispatch cost. The copy goes a run of
+// the last axis at a time (one memcpy where that axis is contiguous, as in a cut buffer):
+// element by element, the first step after a batch's row left took 430 ms, not 30.
 template <class T>
 const T* row_major(const mx::array& a, std::vector<T>& copy) {
   if (a.flags().row_contiguous) return a.data<T>();
   copy.resize(a.size());
   const T* source = a.data<T>();
-  std::vector<int> index(a.ndim(), 0);
-  for (size_t i = 0; i < a.size(); ++i) {
+  const int outer = int(a.ndim()) - 1;
+  const int64_t run = a.shape(outer), stride = a.strides()[outer];
+  std::vector<int> index(outer, 0);
+  for (size_t i = 0; i < a.size(); i += run) {
     int64_t offset = 0;
-    for (int d = 0; d < int(a.ndim()); ++d) offset += int64_t(index[d]) * a.strides()[d];
-    copy[i] = source[offset];
-    for (int d = int(a.ndim()) - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
+    for (int d = 0; d < outer; ++d) offset += int64_t(index[d]) * a.strides()[d];
+    if (stride == 1)
+      std::memcpy(copy.data() + i, source + offset, size_t(run) * sizeof(T));
+    else
+      for (int64_t v = 0; v < run; ++v) copy[i + v] = source[offset + v * stride];
+    for (int d = outer - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
   }
   return copy.data();
 }
