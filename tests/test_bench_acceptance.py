@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 import engine  # noqa: F401  (BLAS before mlx)
+import numpy as np
 import pytest
 
 from engine.training.corpus import held_out_files
+from engine.training.measure import AcceptanceCounts
 from mtplxd.bench import acceptance
 from tests.checkpoints import write
 
@@ -32,6 +34,37 @@ def test_reports_both_sets_for_a_model_with_heads(tmp_path, capsys):
     for name in ("first_defs", "line_breaks"):
         by_depth = found[name]["acceptance_by_depth_t0"]
         assert len(by_depth) == 2 and all(0.0 <= a <= 1.0 for a in by_depth)
+        drafts, errors = found[name]["drafts_by_depth"], found[name]["standard_error_by_depth"]
+        assert len(drafts) == len(errors) == 2 and drafts[0] >= drafts[1] and drafts[0] > 0
+        assert all(e >= 0.0 for e in errors)
+
+
+def _clustered(rng, prompts: int, drafts: int) -> AcceptanceCounts:
+    """Prompts whose own acceptance differs (drawn around 0.6), each with `drafts` draws."""
+    rates = rng.beta(6, 4, size=prompts)
+    reached = np.full((prompts, 1), drafts)
+    return AcceptanceCounts(reached, rng.binomial(drafts, rates)[:, None])
+
+
+def test_the_standard_error_is_how_far_another_set_of_prompts_lands():
+    """Many sets of 8 prompts, each prompt with its own acceptance: the spread of the
+    sets' rates is what the error across prompts says, where a binomial error over the
+    drafts (the negative control) says about a third of it."""
+    rng = np.random.default_rng(7)
+    sets = [_clustered(rng, 8, 80) for _ in range(2000)]
+    spread = np.std([s.rates()[0] for s in sets])
+    across = np.mean([s.standard_errors()[0] for s in sets])
+    binomial = np.mean([np.sqrt(r * (1 - r) / 640) for r in (s.rates()[0] for s in sets)])
+    assert across == pytest.approx(spread, rel=0.12)
+    assert binomial < 0.6 * spread
+
+
+def test_the_standard_error_of_equal_prompts_is_zero_and_a_lone_prompt_has_none():
+    same = AcceptanceCounts(np.array([[10, 6], [20, 12]]), np.array([[6, 3], [12, 6]]))
+    assert same.rates() == [0.6, 0.5] and same.standard_errors() == [0.0, 0.0]
+    assert AcceptanceCounts(np.array([[10]]), np.array([[4]])).standard_errors() == [0.0]
+    unreached = AcceptanceCounts(np.array([[10, 0], [8, 0]]), np.array([[0, 0], [8, 0]]))
+    assert unreached.rates() == [8 / 18, 0.0] and unreached.standard_errors()[0] > 0.3
 
 
 def test_a_model_without_heads_is_refused(tmp_path, capsys):

@@ -2,23 +2,53 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from engine.generation import GenerationRequest
 from engine.sampler_settings import SamplerSettings
 
 
-def measure_acceptance(engine, prompts: Sequence[str | Sequence[int]], depth: int, n_tokens: int) -> list[float]:
-    """Per-depth acceptance at temperature 0 over greedy generations of `n_tokens`.
+@dataclass(frozen=True)
+class AcceptanceCounts:
+    """Per prompt and draft position i: the speculative cycles that reached draft i (drafts
+    0..i-1 accepted) and those of them that accepted it."""
 
-    Entry i is the fraction of speculative cycles that accepted draft i among
-    those that accepted drafts 0..i-1 (the per-position acceptance `a` of the
-    cost model); 0.0 where no cycle got that far. Prompts are text (encoded
-    with the engine's tokenizer) or token ids.
-    """
-    reached = [0] * depth
-    accepted = [0] * depth
-    for prompt in prompts:
+    reached: np.ndarray  # [prompts, depth] int
+    accepted: np.ndarray  # [prompts, depth] int
+
+    def rates(self) -> list[float]:
+        """Per draft position: accepted / reached over every prompt (the per-position
+        acceptance `a` of the cost model); 0.0 where no cycle got that far."""
+        reached, accepted = self.reached.sum(axis=0), self.accepted.sum(axis=0)
+        return [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
+
+    def standard_errors(self) -> list[float]:
+        """Per draft position: the standard error of `rates`, with the prompt as the unit.
+        A prompt's drafts are not independent draws (a function the heads read well
+        is read well throughout), so a binomial error over the drafts understates how
+        far another set of prompts could land; this is the ratio estimator's error
+        across prompts. 0.0 with fewer than two prompts that reached the position."""
+        errors = []
+        for reached, accepted, rate in zip(self.reached.T, self.accepted.T, self.rates()):
+            used = reached > 0
+            n = int(used.sum())
+            if n < 2:
+                errors.append(0.0)
+                continue
+            residual = accepted[used] - rate * reached[used]
+            errors.append(float(np.sqrt(n / (n - 1) * (residual ** 2).sum()) / reached[used].sum()))
+        return errors
+
+
+def count_acceptance(engine, prompts: Sequence[str | Sequence[int]], depth: int, n_tokens: int) -> AcceptanceCounts:
+    """Greedy generations of `n_tokens` at temperature 0, one a prompt (text, encoded with
+    the engine's tokenizer, or token ids), through the engine's own speculative loop."""
+    reached = np.zeros((len(prompts), depth), dtype=np.int64)
+    accepted = np.zeros((len(prompts), depth), dtype=np.int64)
+    for p, prompt in enumerate(prompts):
         ids = tuple(engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         gen = engine.open(GenerationRequest(
             prompt=ids, sampler=SamplerSettings(temperature=0.0), mode="mtp", depth=depth,
@@ -26,12 +56,16 @@ def measure_acceptance(engine, prompts: Sequence[str | Sequence[int]], depth: in
         ))
         try:
             while not gen.finished:
-                result = gen.step()
-                for i, ok in enumerate(result.accepted):
-                    reached[i] += 1
-                    accepted[i] += ok
+                for i, ok in enumerate(gen.step().accepted):
+                    reached[p, i] += 1
+                    accepted[p, i] += ok
                     if not ok:
                         break
         finally:
             gen.close()
-    return [a / r if r else 0.0 for a, r in zip(accepted, reached)]
+    return AcceptanceCounts(reached, accepted)
+
+
+def measure_acceptance(engine, prompts: Sequence[str | Sequence[int]], depth: int, n_tokens: int) -> list[float]:
+    """Per-depth acceptance at temperature 0 (`AcceptanceCounts.rates`)."""
+    return count_acceptance(engine, prompts, depth, n_tokens).rates()
