@@ -31,16 +31,28 @@ class AcceptanceCounts:
         is read well throughout), so a binomial error over the drafts understates how
         far another set of prompts could land; this is the ratio estimator's error
         across prompts. 0.0 with fewer than two prompts that reached the position."""
-        errors = []
-        for reached, accepted, rate in zip(self.reached.T, self.accepted.T, self.rates()):
-            used = reached > 0
-            n = int(used.sum())
-            if n < 2:
-                errors.append(0.0)
-                continue
-            residual = accepted[used] - rate * reached[used]
-            errors.append(float(np.sqrt(n / (n - 1) * (residual ** 2).sum()) / reached[used].sum()))
-        return errors
+        return [_error(self._shares(i), self.reached[:, i] > 0) for i in range(self.reached.shape[1])]
+
+    def _shares(self, i: int) -> np.ndarray:
+        """Per prompt, its share of the error of draft position i's rate."""
+        reached, accepted = self.reached[:, i], self.accepted[:, i]
+        total = reached.sum()
+        return (accepted - self.rates()[i] * reached) / total if total else np.zeros(len(reached))
+
+
+def paired_difference(a: AcceptanceCounts, b: AcceptanceCounts) -> list[tuple[float, float]]:
+    """Per draft position: a's rate less b's, and that difference's standard error, both
+    counted on the same prompts. Paired, a prompt's own ease cancels: two sets of heads
+    0.02 apart can be told apart on prompts whose rates alone spread by more."""
+    if a.reached.shape != b.reached.shape:
+        raise ValueError("paired counts need the same prompts and depth")
+    return [(ra - rb, _error(a._shares(i) - b._shares(i), (a.reached[:, i] > 0) | (b.reached[:, i] > 0)))
+            for i, (ra, rb) in enumerate(zip(a.rates(), b.rates()))]
+
+
+def _error(shares: np.ndarray, used: np.ndarray) -> float:
+    n = int(used.sum())
+    return float(np.sqrt(n / (n - 1) * (shares[used] ** 2).sum())) if n >= 2 else 0.0
 
 
 def count_acceptance(engine, prompts: Sequence[str | Sequence[int]], depth: int, n_tokens: int) -> AcceptanceCounts:

@@ -11,6 +11,7 @@ standard error across prompts (engine/training/measure.py): on a handful of
 prompts, two sets of heads 0.02 apart are not told apart. Usage:
 
     python -m mtplxd.bench.acceptance [--model PATH or NAME] [--lines 64] [--depth 1] [--tokens 128]
+        [--against PATH or NAME]  # a second model on the same prompts: the difference, paired
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from engine.engine import Engine
 from engine.training.corpus import held_out_files
-from engine.training.measure import count_acceptance
+from engine.training.measure import AcceptanceCounts, count_acceptance, paired_difference
 from mtplxd.bench import model_folder
 from mtplxd.calibrate import held_out_prompts
 
@@ -45,24 +46,35 @@ def line_prompts(n: int, seed: int = 0, chars: int = CHARS) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=model_folder, default=str(engine.EMBEDDED_MODEL))
+    parser.add_argument("--against", type=model_folder, help="a second model on the same prompts: the paired difference")
     parser.add_argument("--lines", type=int, default=64, help="prompts cut at random line breaks")
     parser.add_argument("--defs", type=int, default=100, help="at most this many first-`def` prompts")
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128, help="greedy tokens decoded a prompt")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    engine_ = Engine.load(args.model)
-    if not engine_.backend.n_heads:
-        parser.error(f"{args.model} has no MTP heads")
+    engines = [Engine.load(m) for m in (args.model, args.against) if m is not None]
+    for model, engine_ in zip((args.model, args.against), engines):
+        if not engine_.backend.n_heads:
+            parser.error(f"{model} has no MTP heads")
     sets = {"first_defs": held_out_prompts(args.defs), "line_breaks": line_prompts(args.lines, args.seed)}
     found = {}
     for name, prompts in sets.items():
-        counts = count_acceptance(engine_, prompts, depth=args.depth, n_tokens=args.tokens)
-        found[name] = {"prompts": len(prompts), "acceptance_by_depth_t0": [round(a, 3) for a in counts.rates()],
-                       "standard_error_by_depth": [round(e, 3) for e in counts.standard_errors()],
-                       "drafts_by_depth": [int(n) for n in counts.reached.sum(axis=0)]}
-    print(json.dumps({"model": args.model, "tokens": args.tokens, **found}))
+        counts = [count_acceptance(e, prompts, depth=args.depth, n_tokens=args.tokens) for e in engines]
+        found[name] = {"prompts": len(prompts), **_figures(counts[0])}
+        if len(counts) == 2:
+            paired = paired_difference(*counts)
+            found[name]["against"] = {**_figures(counts[1]),
+                                      "difference_by_depth": [round(d, 3) for d, _ in paired],
+                                      "difference_error_by_depth": [round(e, 3) for _, e in paired]}
+    print(json.dumps({"model": args.model, "against": args.against, "tokens": args.tokens, **found}))
     return 0
+
+
+def _figures(counts: AcceptanceCounts) -> dict[str, list]:
+    return {"acceptance_by_depth_t0": [round(a, 3) for a in counts.rates()],
+            "standard_error_by_depth": [round(e, 3) for e in counts.standard_errors()],
+            "drafts_by_depth": [int(n) for n in counts.reached.sum(axis=0)]}
 
 
 if __name__ == "__main__":
