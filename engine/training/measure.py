@@ -37,7 +37,7 @@ class AcceptanceCounts:
         """Per prompt, its share of the error of draft position i's rate."""
         reached, accepted = self.reached[:, i], self.accepted[:, i]
         total = reached.sum()
-        return (accepted - self.rates()[i] * reached) / total if total else np.zeros(len(reached))
+        return (accepted - accepted.sum() / total * reached) / total if total else np.zeros(len(reached))
 
 
 def paired_difference(a: AcceptanceCounts, b: AcceptanceCounts) -> list[tuple[float, float]]:
