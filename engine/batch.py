@@ -47,6 +47,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 from engine.backends.base import Backend, Tape
 from engine.blas import decode_threads
 from engine.generation import Generation, StepResult
+from engine.quantized_rows import native
 from engine.sessions.arrays import to_host
 from engine.sessions.state import Tensor
 from engine.sampling import SamplerSettings, compiled_probabilities, probabilities, provisional_probabilities
@@ -119,17 +120,18 @@ class DecodeBatch:
             raise ValueError("only a decoding generation with plain caches can join a batch")
         if depth_of(generation) != self.depth:
             raise ValueError(f"a depth-{depth_of(generation)} generation cannot join a depth-{self.depth} batch")
-        trunk = [_one_row(c) for c in generation.cache]
-        heads = [BatchKVCache.merge([c]) for c in generation.head_caches]
         pending = [_Ragged(*_padded(state.pending)) for state in generation._heads]
         if self.rows:
-            for mine, theirs in zip([*self._cache, *self._heads], [*trunk, *heads]):
-                mine.extend(theirs)
+            _extend(self._cache, generation.cache)  # the trunk's layers in one operation
+            for mine, theirs in zip(self._heads, generation.head_caches):  # each head its own positions
+                _extend([mine], [theirs])
             self._pending = [_stacked(a, b) for a, b in zip(self._pending, pending)]
             for offsets, cache in zip(self._offsets, generation.head_caches):
                 offsets.append(cache.offset)
         else:
-            self._cache, self._heads, self._pending = trunk, heads, pending
+            self._cache = [_one_row(c) for c in generation.cache]
+            self._heads = [BatchKVCache.merge([c]) for c in generation.head_caches]
+            self._pending = pending
             self._offsets = [[c.offset] for c in generation.head_caches]
         key = generation._key[None]
         self._keys = key if self._keys is None else mx.concatenate([self._keys, key])
@@ -159,8 +161,9 @@ class DecodeBatch:
         keep = [j for j in range(len(self.rows) + 1) if j != i]
         index = mx.array(keep)
         self._keys = self._keys[index]
-        for c in [*self._cache, *self._heads]:
-            _without_row(c, i, index)
+        _drop_row(self._cache, i, index)
+        for cache in self._heads:
+            _drop_row([cache], i, index)
         self._pending = [_Ragged(p.values[index], [p.counts[j] for j in keep]) for p in self._pending]
         for offsets in self._offsets:
             offsets.pop(i)
@@ -499,6 +502,72 @@ def _extracted(cache: Any, i: int) -> Any:
     if isinstance(row, KVCache) and row.keys is not None and row.keys.shape[2] == 0:
         return KVCache()
     return row
+
+
+def _extend(batch: list[Any], row: list[Any]) -> None:
+    """Each of the batch's caches extended by the joining row's cache of the same layer:
+    their attention buffers in one native operation where they allow it (`_laid_out`),
+    else mlx-lm's `extend` for each."""
+    if _alike(batch) and all(type(c) is KVCache and c.keys is not None and c.keys.dtype == mx.float32 for c in row):
+        length = row[0].offset
+        if all(c.offset == length for c in row):
+            first = batch[0]
+            joined = max(first._idx, length)
+            places = [(0, b, 0, first._idx, joined - first._idx) for b in range(first.keys.shape[0])]
+            offset = mx.concatenate([first.offset, mx.array([length])])
+            if _laid_out(batch, [row], places + [(1, 0, 0, length, joined - length)], max(first.keys.shape[2], length)):
+                for cache in batch:
+                    cache.offset = offset  # one array for all the blocks, as MiMoBackend._run keeps it
+                    cache.left_padding = mx.concatenate([cache.left_padding + (joined - cache._idx),
+                                                         mx.array([joined - length])])
+                    cache._idx = joined
+                return
+    for mine, theirs in zip(batch, row):
+        mine.extend(_one_row(theirs))
+
+
+def _drop_row(batch: list[Any], i: int, index: mx.array) -> None:
+    """`_without_row` for each cache, the attention buffers in one native operation
+    where they allow it; left_padding is evaluated (DecodeBatch.leave)."""
+    if _alike(batch):
+        first = batch[0]
+        keep = cast("list[int]", index.tolist())
+        padding = cast("list[int]", first.left_padding.tolist())
+        cut = min(padding[j] for j in keep)
+        places = [(0, j, cut, first._idx - cut, 0) for j in keep]
+        if _laid_out(batch, [], places, first.keys.shape[2] - cut):
+            offset = first.offset[index]
+            for cache in batch:
+                cache.offset, cache.left_padding = offset, cache.left_padding[index] - cut
+                cache._idx -= cut
+            return
+    for cache in batch:
+        _without_row(cache, i, index)
+
+
+def _alike(batch: list[Any]) -> bool:
+    """Attention caches of float32 buffers, every one as many rows, columns and positions."""
+    first = batch[0]
+    return all(type(c) is BatchKVCache and c.keys is not None and c.keys.dtype == c.values.dtype == mx.float32
+               and c.keys.shape[:3] == first.keys.shape[:3] and c._idx == first._idx for c in batch)
+
+
+def _laid_out(batch: list[BatchKVCache], rows: list[list[KVCache]], places: list[tuple[int, int, int, int, int]],
+              width: int) -> bool:
+    """The batch's keys and values laid out anew in one native operation (`rows_laid_out`:
+    each output row from one row of the batch's buffers or of `rows`' caches), where MLX's
+    operations make a copy a layer's keys or values, one thread each (a row leaving 8
+    SmolLM2 rows: 16-18 ms against 28-37, docs/performance.md). False where there is no
+    native module: the caller's MLX operations run."""
+    module = native()
+    if module is None:
+        return False
+    groups: list[list[Any]] = [batch, *rows]
+    sets = [[a for c in caches for a in (c.keys, c.values)] for caches in groups]
+    out = module.rows_laid_out(sets, places, width)
+    for k, cache in enumerate(batch):
+        cache.keys, cache.values = out[2 * k], out[2 * k + 1]
+    return True
 
 
 def _without_row(cache: Any, i: int, index: mx.array) -> None:

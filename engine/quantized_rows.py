@@ -52,7 +52,7 @@ HEAD_BITS = 8  # MTP heads packed beside a packed trunk (pack_heads)
 KERNEL_THREADS = min(2, os.cpu_count() or 1)
 # What the engine calls in the module (a build from an older source lacks some).
 OPERATIONS = ("quantized_rows", "dequantize", "softmax", "swiglu", "attention", "top_values", "block_in", "block_out",
-              "block_step")
+              "block_step", "rows_laid_out")
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import engine.batch
 from engine.batch import DecodeBatch, batchable, depth_of
@@ -221,3 +222,92 @@ def test_rows_leaving_keep_one_offset_array_and_cut_the_padding(tmp_path):
     assert first.offset.tolist() == [len(row.tokens) - 1 for row in batch.rows]
     assert min(first.left_padding.tolist()) == 0  # the longest row's padding columns went with it
     assert first.keys.shape[2] >= first._idx == len(prompts[2]) + 1 + 3 + 2 - 1
+
+
+def _random_batch_cache(rows: int, width: int, idx: int, padding: list[int], seed: int) -> BatchKVCache:
+    """A BatchKVCache of `rows` rows, `width` columns of which the first `idx` are in use."""
+    cache = BatchKVCache(padding)
+    mx.random.seed(seed)
+    cache.keys, cache.values = mx.random.normal((rows, 2, width, 4)), mx.random.normal((rows, 2, width, 4))
+    cache.offset = mx.array([idx - p for p in padding])
+    cache._idx = idx
+    return cache
+
+
+def _lone_cache(length: int, width: int, seed: int) -> KVCache:
+    cache = KVCache()
+    mx.random.seed(seed)
+    cache.keys, cache.values = mx.random.normal((1, 2, width, 4)), mx.random.normal((1, 2, width, 4))
+    cache.offset = length
+    return cache
+
+
+def _same_caches(got: list, want: list) -> bool:
+    """Equal in every position in use (padding included), bit for bit, and in their bookkeeping."""
+    for a, b in zip(got, want):
+        used = slice(0, b._idx)
+        if a._idx != b._idx or a.offset.tolist() != b.offset.tolist() or a.left_padding.tolist() != b.left_padding.tolist():
+            return False
+        if not all(mx.array_equal(x[:, :, used], y[:, :, used]).item() for x, y in ((a.keys, b.keys), (a.values, b.values))):
+            return False
+    return True
+
+
+@pytest.mark.skipif(engine.batch.native() is None, reason="no native module built (macOS: Metal's own kernels)")
+@pytest.mark.parametrize("length", [5, 11], ids=["shorter", "longer"])
+def test_a_join_and_a_leave_lay_the_buffers_out_as_mlx_lm_does(monkeypatch, length):
+    """A row joining three (shorter or longer than their 9 positions) and then a row leaving:
+    the native operation (`rows_laid_out`, one for all layers) leaves the caches mlx-lm's
+    `extend` and the slices of `_without_row` leave, bit for bit. Negative control: the
+    joining row written at the left, not right-justified."""
+    def caches():
+        batch = [_random_batch_cache(3, 16, 9, [2, 0, 4], seed) for seed in range(3)]
+        return batch, [_lone_cache(length, 12, 10 + seed) for seed in range(3)]
+
+    native_batch, row = caches()
+    engine.batch._extend(native_batch, row)
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.batch, "native", lambda: None)
+        library_batch, row = caches()
+        engine.batch._extend(library_batch, row)
+    assert native_batch[0].keys.shape[0] == 4 and _same_caches(native_batch, library_batch)
+
+    for batch in (native_batch, library_batch):
+        mx.eval([c.left_padding for c in batch])
+    keep = mx.array([0, 2, 3])
+    engine.batch._drop_row(native_batch, 1, keep)
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.batch, "native", lambda: None)
+        engine.batch._drop_row(library_batch, 1, keep)
+    assert min(native_batch[0].left_padding.tolist()) == 0 and _same_caches(native_batch, library_batch)
+
+    reference = _joined_by_library(monkeypatch, caches)
+    wrong, row = caches()
+    joined = max(9, length)
+    places = [(0, b, 0, 9, joined - 9) for b in range(3)] + [(1, 0, 0, length, 1 if joined == length else 0)]
+    engine.batch._laid_out(wrong, [row], places, 16)
+    for cache, want in zip(wrong, reference):
+        cache.offset, cache.left_padding, cache._idx = want.offset, want.left_padding, want._idx
+    assert not _same_caches(wrong, reference)
+
+
+def _joined_by_library(monkeypatch, caches) -> list:
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.batch, "native", lambda: None)
+        batch, row = caches()
+        engine.batch._extend(batch, row)
+    return batch
+
+
+@pytest.mark.skipif(engine.batch.native() is None, reason="no native module built (macOS: Metal's own kernels)")
+def test_laying_rows_out_refuses_what_is_not_there():
+    module = engine.batch.native()
+    keys = mx.zeros((2, 2, 8, 4))
+    with pytest.raises(ValueError, match="outside its source"):
+        module.rows_laid_out([[keys]], [(0, 0, 4, 5, 0)], 16)
+    with pytest.raises(ValueError, match="outside its source"):
+        module.rows_laid_out([[keys]], [(0, 2, 0, 4, 0)], 16)
+    with pytest.raises(ValueError, match="set that is not there"):
+        module.rows_laid_out([[keys]], [(1, 0, 0, 4, 0)], 16)
+    with pytest.raises(ValueError, match="float32"):
+        module.rows_laid_out([[keys.astype(mx.float16)]], [(0, 0, 0, 4, 0)], 16)
