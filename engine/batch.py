@@ -531,8 +531,8 @@ def _drop_row(batch: list[Any], i: int, index: mx.array) -> None:
     where they allow it; left_padding is evaluated (DecodeBatch.leave)."""
     if _alike(batch):
         first = batch[0]
-        keep = cast("list[int]", index.tolist())
         padding = cast("list[int]", first.left_padding.tolist())
+        keep = [j for j in range(len(padding)) if j != i]
         cut = min(padding[j] for j in keep)
         places = [(0, j, cut, first._idx - cut, 0) for j in keep]
         if _laid_out(batch, [], places, first.keys.shape[2] - cut):
